@@ -1,0 +1,26 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# torch is installed first and pinned: the CPU wheel on disk. An unpinned torch pulls a CUDA build.
+PY := .venv/bin/python
+STAMP := .venv/.agentrl-installed
+
+.PHONY: install demo test clean
+
+$(PY):
+	python3 -m venv .venv
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	.venv/bin/agentrl quickstart --out runs/quickstart
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf runs .pytest_cache
