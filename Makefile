@@ -9,7 +9,6 @@ $(PY):
 	python3 -m venv .venv
 
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)

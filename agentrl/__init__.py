@@ -1,0 +1,25 @@
+"""agentrl: reinforcement learning for tool-using LLM agents on transformers + peft + accelerate.
+
+The classic TRL 0.11 names are exported here; they are imported lazily so that `agentrl.algos`
+(pure maths) and `agentrl.envs` stay cheap to import.
+"""
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "PPOConfig": "agentrl.trainers.ppo",
+    "PPOTrainer": "agentrl.trainers.ppo",
+    "AutoModelForCausalLMWithValueHead": "agentrl.models.value_head",
+    "CalculatorEnv": "agentrl.envs",
+    "StepResult": "agentrl.envs",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'agentrl' has no attribute {name!r}")

@@ -1,0 +1,21 @@
+"""Pure RL maths on tensors: advantages, losses, KL estimators and controllers.
+
+Everything here imports torch and nothing else of agentrl, so it can be read, tested and reused alone.
+"""
+
+from agentrl.algos.advantages import gae, masked_mean, masked_var, whiten
+from agentrl.algos.kl import AdaptiveKLController, FixedKLController, kl_penalty
+from agentrl.algos.losses import entropy_from_logits, ppo_policy_loss, ppo_value_loss
+
+__all__ = [
+    "AdaptiveKLController",
+    "FixedKLController",
+    "entropy_from_logits",
+    "gae",
+    "kl_penalty",
+    "masked_mean",
+    "masked_var",
+    "ppo_policy_loss",
+    "ppo_value_loss",
+    "whiten",
+]

@@ -1,0 +1,68 @@
+"""The environment protocol: what a user writes to train an agent on their own task.
+
+An environment is any object with this shape (no base class to inherit):
+
+    class MyEnv:
+        stop_patterns = (r"Action:[^\n]*\n",)   # regexes: a turn ends right after the first match (or EOS)
+        max_turns = 4                            # model turns per episode
+
+        def reset(self, task: dict) -> str: ...              # the prompt text
+        def step(self, action: str) -> StepResult: ...        # the world's answer to one model turn
+
+`step` gets the text the model wrote in this turn. It returns the observation to append (text the model
+did not write, masked out of every loss), the reward for this turn, and whether the episode is over.
+Episode score = sum of turn rewards. PPO puts each turn's reward on the last token of that turn.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass
+class StepResult:
+    """What the environment answers to one model turn."""
+
+    observation: str | None
+    reward: float
+    done: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Environment(Protocol):
+    stop_patterns: tuple[str, ...]
+    max_turns: int
+
+    def reset(self, task: dict) -> str: ...
+
+    def step(self, action: str) -> StepResult: ...
+
+
+def load_object(spec: str) -> Any:
+    """Import `"package.module:Name"` (or `"package.module.Name"`). Errors name the spec."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep:
+        module_name, _, attr = spec.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"cannot load {spec!r}: expected 'package.module:ClassName'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot load {spec!r}: module {module_name!r} not importable ({e})") from e
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"cannot load {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def make_env(spec: str | type, kwargs: dict | None = None) -> Environment:
+    """Instantiate an environment from a class or a `"module:Class"` spec and check it has the protocol."""
+    cls = load_object(spec) if isinstance(spec, str) else spec
+    env = cls(**(kwargs or {}))
+    missing = [name for name in ("reset", "step", "stop_patterns", "max_turns") if not hasattr(env, name)]
+    if missing:
+        raise TypeError(f"environment {spec!r} lacks {', '.join(missing)} (see agentrl.envs.base)")
+    return env

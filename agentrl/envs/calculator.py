@@ -1,0 +1,161 @@
+"""The tutorials' calculator agent: a ReAct text protocol with one real tool.
+
+    Question: What is 123 * 456?
+    Thought: I need to calculate 123 * 456.
+    Action: calculator(123 * 456)          <- the model's turn ends at this newline
+    Observation: 56088                     <- written by the environment, masked out of the loss
+    Answer: 56088<eos>
+
+Rewards (configurable) follow seed 000: 1.0 correct answer after a tool call, 0.2 tool called but the
+answer is wrong, -0.5 only malformed tool calls, -1.0 no tool call at all. The answer is read from the
+`Answer:` line only; an `Observation:` the model writes itself is never read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass
+
+from agentrl.envs.base import StepResult
+from agentrl.envs.safe_eval import CalculatorError, format_number, safe_eval
+
+_ACTION_LINE = re.compile(r"^[ \t]*Action:[ \t]*(.*)$", re.MULTILINE)
+_CALL = re.compile(r"^calculator\((.*)\)\s*$")
+_ANSWER_LINE = re.compile(r"^[ \t]*Answer:[ \t]*(.*)$", re.MULTILINE)
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+@dataclass
+class CalculatorRewards:
+    correct: float = 1.0
+    tool_but_wrong: float = 0.2
+    malformed_call: float = -0.5
+    no_tool: float = -1.0
+
+
+def parse_answer(text: str) -> float | None:
+    """The number on the first `Answer:` line, or None when there is not exactly one number there."""
+    match = _ANSWER_LINE.search(text)
+    if match is None:
+        return None
+    numbers = _NUMBER.findall(match.group(1))
+    return float(numbers[0]) if len(numbers) == 1 else None
+
+
+class CalculatorEnv:
+    """Multi-turn calculator environment. Tasks: `{"question": ..., "answer": ...}`."""
+
+    stop_patterns = (r"Action:[^\n]*\n",)
+
+    def __init__(self, max_turns: int = 3, rewards: dict | None = None):
+        self.max_turns = max_turns
+        self.rewards = CalculatorRewards(**(rewards or {}))
+        self._task: dict | None = None
+
+    def reset(self, task: dict) -> str:
+        if "question" not in task or "answer" not in task:
+            raise KeyError(f"calculator task needs 'question' and 'answer', got keys {sorted(task)}")
+        self._task = task
+        self._turns = self._tool_calls = self._format_errors = 0
+        return f"Question: {task['question']}\n"
+
+    def step(self, action: str) -> StepResult:
+        assert self._task is not None, "call reset(task) before step()"
+        self._turns += 1
+        action_match = _ACTION_LINE.search(action)
+        if action_match is not None:
+            observation = self._call_tool(action_match.group(1))
+            if self._turns < self.max_turns:
+                return StepResult(observation=observation, reward=0.0, done=False, info=self._info(None))
+        return self._finish(parse_answer(action) if action_match is None else None)
+
+    def _call_tool(self, call: str) -> str:
+        match = _CALL.match(call.strip())
+        if match is None:
+            self._format_errors += 1
+            return "Observation: Error: expected calculator(<expression>)\n"
+        try:
+            result = format_number(safe_eval(match.group(1)))
+        except CalculatorError as e:
+            self._format_errors += 1
+            return f"Observation: Error: {e}\n"
+        self._tool_calls += 1
+        return f"Observation: {result}\n"
+
+    def _finish(self, answer: float | None) -> StepResult:
+        correct = answer is not None and abs(answer - float(self._task["answer"])) < 1e-6
+        r = self.rewards
+        if self._tool_calls:
+            reward = r.correct if correct else r.tool_but_wrong
+        else:
+            reward = r.malformed_call if self._format_errors else r.no_tool
+        return StepResult(observation=None, reward=reward, done=True, info=self._info(answer, correct))
+
+    def _info(self, answer: float | None, correct: bool = False) -> dict:
+        return {
+            "correct": correct,
+            "answer": answer,
+            "tool_calls": self._tool_calls,
+            "format_errors": self._format_errors,
+        }
+
+
+# --- tasks and demonstrations -------------------------------------------------------------------------
+
+def _split_of(question: str, eval_fraction: float = 0.2) -> str:
+    """Deterministic split by question text, so SFT/PPO tasks and held-out eval tasks never overlap."""
+    bucket = int(hashlib.sha256(question.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return "eval" if bucket < eval_fraction else "train"
+
+
+def _operand(rng: random.Random) -> int:
+    return rng.randint(1, [9, 99, 999][rng.randint(0, 2)])
+
+
+def calculator_tasks(n: int, seed: int = 0, split: str = "train") -> list[dict]:
+    """`n` distinct tasks `a op b` (op in + - *, operands of 1-3 digits) from the given split."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    rng, tasks, seen = random.Random(f"calculator-{seed}-{split}"), [], set()
+    while len(tasks) < n:
+        a, b, op = _operand(rng), _operand(rng), rng.choice("+-*")
+        expression = f"{a} {op} {b}"
+        question = f"What is {expression}?"
+        if question in seen or _split_of(question) != split:
+            continue
+        seen.add(question)
+        tasks.append({"question": question, "answer": format_number(safe_eval(expression)), "expression": expression})
+    return tasks
+
+
+def _wrong_guess(answer: str, rng: random.Random) -> str:
+    """A plausible but wrong number: the right one with one or two digits changed."""
+    digits = list(answer.lstrip("-"))
+    while True:
+        guess = digits[:]
+        for _ in range(rng.randint(1, 2)):
+            i = rng.randrange(len(guess))
+            guess[i] = str(rng.randrange(1 if i == 0 and len(guess) > 1 else 0, 10))
+        text = ("-" if answer.startswith("-") else "") + "".join(guess)
+        if text != answer:
+            return text
+
+
+def calculator_demonstration(task: dict, use_tool: bool, rng: random.Random) -> list[tuple[str, bool]]:
+    """One SFT trace as (text, trainable) segments, split where the rollout engine splits turns.
+
+    Observation segments are not trainable, as in RL. Without the tool the trace guesses (wrongly), so a
+    model trained on a mix must learn from reward when calling the tool pays.
+    """
+    prompt, expression = f"Question: {task['question']}\n", task["expression"]
+    if not use_tool:
+        guess = _wrong_guess(task["answer"], rng)
+        return [(prompt, False), (f"Thought: I can answer {expression} directly.\nAnswer: {guess}", True)]
+    return [
+        (prompt, False),
+        (f"Thought: I need to calculate {expression}.\nAction: calculator({expression})\n", True),
+        (f"Observation: {task['answer']}\n", False),
+        (f"Answer: {task['answer']}", True),
+    ]

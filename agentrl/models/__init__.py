@@ -1,0 +1,1 @@
+"""Models: the embedded tiny base model and the policy-with-value-head wrapper."""

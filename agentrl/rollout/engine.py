@@ -1,0 +1,109 @@
+"""The multi-turn rollout engine: the model acts, the environment answers, until the episode ends.
+
+Token-in-token-out. Each episode keeps the prompt ids, then the exact ids the model sampled and the
+ids of each observation, side by side with
+    loss_mask: 1 on tokens the policy sampled (its EOS included), 0 on observation tokens
+(prompt and padding are outside `token_ids` and get 0 wherever a batch is built).
+Observations are tokenized on their own and appended; nothing sampled is ever re-tokenized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from agentrl.envs.base import Environment
+from agentrl.rollout.sampling import SamplingParams, sample_batch
+
+
+@dataclass
+class Episode:
+    task: dict
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)  # actions and observations, after the prompt
+    loss_mask: list[int] = field(default_factory=list)  # 1 sampled, 0 observation
+    logprobs: list[float] = field(default_factory=list)  # sampling logprobs, 0.0 on observations
+    turn_ends: list[int] = field(default_factory=list)  # index in token_ids of each turn's last token
+    turn_rewards: list[float] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+    truncated: bool = False  # some turn hit max_new_tokens before its stop pattern or EOS
+    done: bool = False
+
+    @property
+    def score(self) -> float:
+        """Episode score: the sum of the environment's turn rewards."""
+        return float(sum(self.turn_rewards))
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turn_ends)
+
+
+def rollout(
+    model: torch.nn.Module,
+    tokenizer,
+    env_factory: Callable[[], Environment],
+    tasks: list[dict],
+    params: SamplingParams,
+    batch_size: int = 256,
+    generator: torch.Generator | None = None,
+) -> list[Episode]:
+    """Run one episode per task, all tasks batched turn by turn. Returns episodes in task order."""
+    episodes: list[Episode] = []
+    for start in range(0, len(tasks), batch_size):
+        episodes.extend(_rollout_chunk(model, tokenizer, env_factory, tasks[start:start + batch_size], params, generator))
+    return episodes
+
+
+def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator) -> list[Episode]:
+    envs = [env_factory() for _ in tasks]
+    episodes = []
+    for env, task in zip(envs, tasks):
+        prompt = env.reset(task)
+        episodes.append(Episode(task=task, prompt_ids=tokenizer(prompt)["input_ids"]))
+    max_turns = envs[0].max_turns if envs else 0
+    stop_patterns = tuple(envs[0].stop_patterns) if envs else ()
+    for turn in range(max_turns):
+        live = [i for i, ep in enumerate(episodes) if not ep.done]
+        if not live:
+            break
+        contexts = [episodes[i].prompt_ids + episodes[i].token_ids for i in live]
+        samples = sample_batch(model, contexts, params, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                               tokenizer=tokenizer, stop_patterns=stop_patterns, generator=generator)
+        for i, sample in zip(live, samples):
+            ep = episodes[i]
+            ep.token_ids += sample.ids
+            ep.loss_mask += [1] * len(sample.ids)
+            ep.logprobs += sample.logprobs
+            ep.turn_ends.append(len(ep.token_ids) - 1)
+            ep.truncated |= sample.finish == "length"
+            action = tokenizer.decode(sample.ids, skip_special_tokens=True)
+            result = envs[i].step(action)
+            ep.turn_rewards.append(float(result.reward))
+            ep.info = result.info
+            # EOS means the model ended the episode, whatever the environment would allow.
+            ep.done = result.done or sample.finish == "eos" or turn == max_turns - 1
+            if not ep.done and result.observation:
+                obs_ids = tokenizer(result.observation, add_special_tokens=False)["input_ids"]
+                ep.token_ids += obs_ids
+                ep.loss_mask += [0] * len(obs_ids)
+                ep.logprobs += [0.0] * len(obs_ids)
+    return episodes
+
+
+def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """Environment health metrics over a batch of episodes (the `env/*` stats)."""
+    n = max(len(episodes), 1)
+    info = [ep.info for ep in episodes]
+    return {
+        "env/accuracy": sum(bool(i.get("correct")) for i in info) / n,
+        "env/tool_call_rate": sum(i.get("tool_calls", 0) > 0 for i in info) / n,
+        "env/tool_calls_per_episode": sum(i.get("tool_calls", 0) for i in info) / n,
+        "env/format_error_rate": sum(i.get("format_errors", 0) > 0 for i in info) / n,
+        "env/mean_turns": sum(ep.num_turns for ep in episodes) / n,
+        "env/mean_score": sum(ep.score for ep in episodes) / n,
+        "env/truncation_rate": sum(ep.truncated for ep in episodes) / n,
+        "env/mean_response_length": sum(sum(ep.loss_mask) for ep in episodes) / n,
+    }

@@ -1,0 +1,117 @@
+"""Batched sampling with the KV cache that keeps the exact sampled ids and their logprobs.
+
+Written by hand rather than through `model.generate` because the rollout needs, per row, its own stop
+pattern (a regex on the text of this turn), the logprob of each sampled token under the *tempered full*
+distribution (what PPO recomputes later), and nothing re-tokenized. top-k / top-p only shape sampling.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    do_sample: bool = True
+    min_new_tokens: int = 0  # EOS is suppressed before this many tokens
+
+
+@dataclass
+class Sample:
+    ids: list[int]  # sampled token ids, EOS included when sampled
+    logprobs: list[float]  # log pi(id | prefix) under logits / temperature
+    finish: str  # "eos", "stop" (a stop pattern matched) or "length"
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """transformers 5.24 renamed `past_key_values` to `cache`; older models and releases keep the old name."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def _left_pad(contexts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(c) for c in contexts)
+    ids = torch.full((len(contexts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(contexts), width), dtype=torch.long)
+    for i, c in enumerate(contexts):
+        ids[i, width - len(c):] = torch.tensor(c, dtype=torch.long)
+        mask[i, width - len(c):] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.no_grad()
+def sample_batch(
+    model: torch.nn.Module,
+    contexts: list[list[int]],
+    params: SamplingParams,
+    eos_token_id: int,
+    pad_token_id: int,
+    tokenizer=None,
+    stop_patterns: tuple[str, ...] = (),
+    generator: torch.Generator | None = None,
+) -> list[Sample]:
+    """Continue each context until EOS, a stop pattern in this turn's text, or `max_new_tokens`.
+
+    contexts: B lists of token ids (left-padded here). Stop patterns need `tokenizer` to decode.
+    """
+    if not contexts:
+        return []
+    device = next(model.parameters()).device
+    compiled = [re.compile(p) for p in stop_patterns]
+    if compiled and tokenizer is None:
+        raise ValueError("stop_patterns need a tokenizer to decode the turn text")
+    warpers = []
+    if params.top_k and params.top_k > 0:
+        warpers.append(TopKLogitsWarper(int(params.top_k)))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+
+    input_ids, attention_mask = _left_pad(contexts, pad_token_id, device)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    B = len(contexts)
+    samples = [Sample([], [], "length") for _ in range(B)]
+    active = torch.ones(B, dtype=torch.bool, device=device)
+    cache_kw = cache_kwarg(model)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                use_cache=True, **{cache_kw: cache})
+    next_pos = position_ids[:, -1:] + 1
+    for n_new in range(params.max_new_tokens):
+        logits = out.logits[:, -1, :].float() / params.temperature  # (B, V)
+        if n_new < params.min_new_tokens:
+            logits[:, eos_token_id] = float("-inf")
+        logprobs_all = torch.log_softmax(logits, dim=-1)
+        if params.do_sample:
+            shaped = logits
+            for w in warpers:
+                shaped = w(None, shaped)
+            tokens = torch.multinomial(torch.softmax(shaped, -1), 1, generator=generator).squeeze(-1)
+        else:
+            tokens = logits.argmax(-1)
+        token_logprobs = logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
+        for i in torch.nonzero(active).flatten().tolist():
+            s = samples[i]
+            s.ids.append(int(tokens[i]))
+            s.logprobs.append(float(token_logprobs[i]))
+            if s.ids[-1] == eos_token_id:
+                s.finish, active[i] = "eos", False
+            elif compiled and any(p.search(tokenizer.decode(s.ids)) for p in compiled):
+                s.finish, active[i] = "stop", False
+        if not active.any():
+            break
+        tokens = torch.where(active, tokens, torch.full_like(tokens, pad_token_id))
+        attention_mask = torch.cat([attention_mask, active.long()[:, None]], dim=1)
+        out = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_pos,
+                    use_cache=True, **{cache_kw: cache})
+        next_pos = next_pos + 1
+    return samples

@@ -1,0 +1,113 @@
+"""Pieces every trainer shares: logprob computation, batching of episodes, metrics logging."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from agentrl.algos.losses import entropy_from_logits
+from agentrl.rollout.engine import Episode
+
+
+@dataclass
+class TokenBatch:
+    """Right-padded sequences with per-position training targets.
+
+    input_ids, attention_mask: (B, T). Everything else is (B, T-1), indexed by the position that
+    *predicts* token t+1:  loss_mask 1 where token t+1 was sampled by the policy, 0 on prompt,
+    observation and padding;  scores hold each turn's reward at the index predicting that turn's last token.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    scores: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, idx: torch.Tensor) -> "TokenBatch":
+        """Rows `idx`, trimmed to their longest sequence."""
+        width = int(self.attention_mask[idx].sum(-1).max())
+        return TokenBatch(self.input_ids[idx, :width], self.attention_mask[idx, :width],
+                          self.loss_mask[idx, : width - 1], self.scores[idx, : width - 1])
+
+
+def build_batch(rows: list[tuple[list[int], list[int], list[tuple[int, float]]]], pad_id: int) -> TokenBatch:
+    """rows: (token ids, per-token sampled flag, [(token index, reward)]) -> TokenBatch."""
+    width = max(len(ids) for ids, _, _ in rows)
+    B = len(rows)
+    input_ids = torch.full((B, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, width), dtype=torch.long)
+    loss_mask = torch.zeros((B, width - 1))
+    scores = torch.zeros((B, width - 1))
+    for i, (ids, sampled, rewards) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attention[i, : len(ids)] = 1
+        # Token j is predicted at position j - 1; the first token (BOS / prompt start) is never a target.
+        loss_mask[i, : len(ids) - 1] = torch.tensor(sampled[1:], dtype=torch.float)
+        for j, r in rewards:
+            scores[i, j - 1] += r
+    return TokenBatch(input_ids, attention, loss_mask, scores)
+
+
+def episodes_to_batch(episodes: list[Episode], pad_id: int, missing_eos_penalty: float | None = None) -> TokenBatch:
+    """Episodes -> TokenBatch. Each turn's reward sits on that turn's last sampled token."""
+    rows = []
+    for ep in episodes:
+        n = len(ep.prompt_ids)
+        rewards = [(n + end, r) for end, r in zip(ep.turn_ends, ep.turn_rewards)]
+        if missing_eos_penalty is not None and ep.truncated and rewards:
+            rewards[-1] = (rewards[-1][0], rewards[-1][1] - missing_eos_penalty)
+        rows.append((ep.prompt_ids + ep.token_ids, [0] * n + ep.loss_mask, rewards))
+    return build_batch(rows, pad_id)
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits (B, T, V), input_ids (B, T) -> logprobs (B, T-1) of tokens 1..T-1 under logits / temperature.
+
+    Dividing by the sampling temperature here, for old, new and reference logprobs alike, keeps the
+    ratio and the KL about the distribution that was actually sampled (Huang et al. 2024).
+    """
+    logits = logits[:, :-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count only real tokens, identical for left padding (sampling) and right padding."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def policy_forward(model, batch: TokenBatch, temperature: float, with_entropy: bool = False):
+    """Value-head model forward -> (logprobs (B, T-1), values (B, T-1), entropy (B, T-1) or None)."""
+    logits, _, values = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                              position_ids=position_ids(batch.attention_mask))
+    entropy = entropy_from_logits(logits[:, :-1].float() / temperature) if with_entropy else None
+    return token_logprobs(logits, batch.input_ids, temperature), values[:, :-1].float(), entropy
+
+
+def lm_logprobs(lm, batch: TokenBatch, temperature: float) -> torch.Tensor:
+    """Plain causal-LM forward -> logprobs (B, T-1)."""
+    logits = lm(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                position_ids=position_ids(batch.attention_mask)).logits
+    return token_logprobs(logits, batch.input_ids, temperature)
+
+
+class MetricsLog:
+    """Appends one JSON object per step to a `.jsonl` file (flushed each row, so a crash loses nothing)."""
+
+    def __init__(self, path: str | Path | None):
+        self.path = Path(path) if path else None
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+
+    def write(self, row: dict) -> None:
+        if self.path:
+            clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in row.items()}
+            with self.path.open("a") as f:
+                f.write(json.dumps(clean) + "\n")
