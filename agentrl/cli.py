@@ -1,0 +1,116 @@
+"""`agentrl` command line: base-model, ppo, eval, quickstart."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_base_model(args) -> int:
+    from agentrl.config import from_dict
+    from agentrl.models.tiny import BaseModelConfig, build_base_model
+    from agentrl.config import apply_overrides
+
+    config = from_dict(BaseModelConfig, apply_overrides({}, args.overrides))
+    out = build_base_model(args.out, config)
+    print(open(out / "agentrl_base.json").read())
+    return 0
+
+
+def _cmd_ppo(args) -> int:
+    from agentrl.pipeline import load_job, run_job
+
+    config = load_job(args.config, args.overrides)
+    summary = run_job(config)
+    _print_summary(summary)
+    return 0
+
+
+def _cmd_quickstart(args) -> int:
+    from agentrl.pipeline import load_job, run_job
+
+    overrides = [f"out_dir={args.out}"] + args.overrides
+    summary = run_job(load_job("quickstart", overrides))
+    _print_summary(summary)
+    print(f"summary written to {args.out}/summary.json")
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    from agentrl.envs.base import load_object, make_env
+    from agentrl.evaluate import evaluate, load_policy, write_json
+
+    model, tokenizer = load_policy(args.model, args.adapter)
+    env_kwargs = json.loads(args.env_kwargs) if args.env_kwargs else {}
+    tasks = load_object(args.task_source)(args.tasks, seed=args.seed, split="eval") \
+        if not args.task_source.endswith(".jsonl") else __import__("agentrl.data", fromlist=["read_jsonl"]).read_jsonl(args.task_source)[: args.tasks]
+    metrics = evaluate(model, tokenizer, lambda: make_env(args.env, env_kwargs), tasks, greedy=not args.sample,
+                       temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    print(json.dumps(metrics, indent=2))
+    if args.out:
+        write_json(args.out, metrics)
+    return 0
+
+
+def _print_summary(summary: dict) -> None:
+    rows = [("", "before", "after")]
+    for key in ("accuracy", "tool_call_rate", "mean_score", "format_error_rate", "mean_turns"):
+        rows.append((key, f"{summary['before'][key]:.3f}", f"{summary['after'][key]:.3f}"))
+    rows.append(("accuracy (sampled T=1)", f"{summary['before_sampled']['accuracy']:.3f}",
+                 f"{summary['after_sampled']['accuracy']:.3f}"))
+    print(f"\nheld-out tasks: {summary['eval_tasks']} (greedy decoding unless noted)")
+    for name, b, a in rows:
+        print(f"  {name:<24}{b:>8}{a:>8}")
+    print(f"PPO steps: {summary['ppo_steps']}  PPO time: {summary['ppo_seconds']} s  total: {summary['wall_seconds']} s")
+    print(f"adapter: {summary['adapter_dir']}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agentrl", description="RL for tool-using LLM agents")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("base-model", help="build (or reuse) the embedded tiny base model")
+    p.add_argument("--out", default="runs/base-model")
+    p.add_argument("overrides", nargs="*", help="BaseModelConfig fields as key=value")
+    p.set_defaults(func=_cmd_base_model)
+
+    p = sub.add_parser("ppo", help="run a PPO job from a YAML config")
+    p.add_argument("--config", required=True, help="a YAML file, or a shipped config name (quickstart)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    p.set_defaults(func=_cmd_ppo)
+
+    p = sub.add_parser("quickstart", help="base model -> eval -> PPO -> eval, on the calculator")
+    p.add_argument("--out", default="runs/quickstart")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the quickstart config")
+    p.set_defaults(func=_cmd_quickstart)
+
+    p = sub.add_parser("eval", help="evaluate a model (and adapter) on held-out tasks")
+    p.add_argument("--model", required=True)
+    p.add_argument("--adapter", default=None)
+    p.add_argument("--env", default="agentrl.envs:CalculatorEnv")
+    p.add_argument("--env-kwargs", default=None, help="JSON object passed to the environment")
+    p.add_argument("--task-source", default="agentrl.envs:calculator_tasks", help="module:function or .jsonl")
+    p.add_argument("--tasks", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--out", default=None, help="also write the metrics to this JSON file")
+    p.set_defaults(func=_cmd_eval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from agentrl.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"agentrl: config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

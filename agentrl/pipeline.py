@@ -1,0 +1,134 @@
+"""The PPO job behind `agentrl ppo` and `agentrl quickstart`: base model -> eval -> PPO -> eval -> save."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agentrl.config import load_config, to_dict
+from agentrl.envs.base import load_object, make_env
+from agentrl.models.tiny import BaseModelConfig
+from agentrl.trainers.ppo import PPOConfig
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass
+class ModelSection:
+    base: str = "embedded"  # a local model directory, or "embedded" to build/reuse the tiny default
+    base_dir: str = "runs/base-model"  # where the embedded model is built and cached
+    builder: BaseModelConfig = field(default_factory=BaseModelConfig)  # how the embedded model is built
+    lora: bool = True  # train a LoRA adapter (reference = adapter disabled); False: full fine-tuning
+    lora_r: int = 16  # LoRA rank
+    lora_alpha: int = 32  # LoRA alpha
+    lora_dropout: float = 0.0  # LoRA dropout (the trainer runs in eval mode, so it is off either way)
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
+class EnvSection:
+    name: str = "agentrl.envs:CalculatorEnv"  # "module:Class" of the environment
+    kwargs: dict = field(default_factory=dict)  # passed to the environment's constructor
+    tasks: str = "agentrl.envs:calculator_tasks"  # "module:function(n, seed, split)" or a .jsonl file
+    train_tasks: int = 4000  # training tasks drawn (split "train")
+    eval_tasks: int = 200  # held-out tasks (split "eval"), never seen in SFT or PPO
+
+
+@dataclass
+class RolloutSection:
+    max_new_tokens: int = 48  # per model turn
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+
+
+@dataclass
+class JobConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    env: EnvSection = field(default_factory=EnvSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    steps: int = 60  # PPO steps (each of ppo.batch_size episodes)
+    out_dir: str = "runs/ppo"  # adapter, metrics.jsonl and summary.json go here
+    eval_seed: int = 0  # seed of the held-out task draw and of sampled evaluation
+    progress: bool = True  # progress bars
+
+
+def resolve_config_path(name: str) -> Path:
+    """A path, or the name of a config shipped with agentrl (`quickstart` -> agentrl/configs/quickstart.yaml)."""
+    path = Path(name)
+    if path.exists():
+        return path
+    shipped = CONFIG_DIR / f"{name.removesuffix('.yaml')}.yaml"
+    return shipped if shipped.exists() else path
+
+
+def load_tasks(spec: str, n: int, seed: int, split: str) -> list[dict]:
+    if spec.endswith(".jsonl"):
+        from agentrl.data import read_jsonl
+
+        rows = read_jsonl(spec)
+        return rows[:n]
+    return load_object(spec)(n, seed=seed, split=split)
+
+
+def run_job(config: JobConfig) -> dict:
+    """Build or load the base model, evaluate, train with PPO, evaluate again, save; returns the summary."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from agentrl.evaluate import evaluate, load_policy, write_json
+    from agentrl.models.tiny import build_base_model
+    from agentrl.rollout.sampling import SamplingParams
+    from agentrl.trainers.ppo import PPOTrainer
+
+    started = time.time()
+    out = Path(config.out_dir)
+    base_dir = config.model.base
+    if base_dir == "embedded":
+        base_dir = str(build_base_model(config.model.base_dir, config.model.builder, progress=config.progress))
+    model, tokenizer = load_policy(base_dir)
+    env_factory = lambda: make_env(config.env.name, config.env.kwargs)  # noqa: E731
+    env_factory()  # fail early on a bad environment spec
+    train_tasks = load_tasks(config.env.tasks, config.env.train_tasks, config.ppo.seed, "train")
+    eval_tasks = load_tasks(config.env.tasks, config.env.eval_tasks, config.eval_seed, "eval")
+    held_out = {t.get("question", str(t)) for t in eval_tasks}
+    train_tasks = [t for t in train_tasks if t.get("question", str(t)) not in held_out]
+    max_new = config.rollout.max_new_tokens
+
+    def both(m):
+        return {"greedy": evaluate(m, tokenizer, env_factory, eval_tasks, True, max_new_tokens=max_new, seed=config.eval_seed),
+                "sampled": evaluate(m, tokenizer, env_factory, eval_tasks, False, config.ppo.temperature,
+                                    max_new_tokens=max_new, seed=config.eval_seed)}
+
+    before = both(model)
+    torch.manual_seed(config.ppo.seed)
+    if config.model.lora:
+        model = get_peft_model(model, LoraConfig(r=config.model.lora_r, lora_alpha=config.model.lora_alpha,
+                                                 lora_dropout=config.model.lora_dropout, bias="none",
+                                                 target_modules=list(config.model.target_modules), task_type="CAUSAL_LM"))
+    trainer = PPOTrainer(config=config.ppo, model=model, tokenizer=tokenizer)
+    sampling = SamplingParams(max_new_tokens=max_new, temperature=config.ppo.temperature,
+                              top_k=config.rollout.top_k, top_p=config.rollout.top_p)
+    ppo_started = time.time()
+    trainer.train(env_factory, [{k: v for k, v in t.items()} for t in train_tasks], steps=config.steps,
+                  sampling=sampling, metrics_path=str(out / "metrics.jsonl"), progress=config.progress)
+    ppo_seconds = time.time() - ppo_started
+    adapter_dir = out / ("adapter" if config.model.lora else "model")
+    trainer.save_pretrained(str(adapter_dir))
+    after = both(trainer.policy)
+    summary = {
+        "before": before["greedy"], "after": after["greedy"],
+        "before_sampled": before["sampled"], "after_sampled": after["sampled"],
+        "ppo_steps": config.steps, "episodes": config.steps * config.ppo.batch_size,
+        "eval_tasks": len(eval_tasks), "ppo_seconds": round(ppo_seconds, 1),
+        "wall_seconds": round(time.time() - started, 1),
+        "base_model_dir": str(base_dir), "adapter_dir": str(adapter_dir), "config": to_dict(config),
+    }
+    write_json(out / "summary.json", summary)
+    return summary
+
+
+def load_job(path: str | None, overrides: list[str] | None = None) -> JobConfig:
+    return load_config(JobConfig, resolve_config_path(path) if path else None, overrides)

@@ -1,0 +1,16 @@
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory):
+    """A quickly trained tiny base model (same builder, few steps): real files, loadable with from_pretrained."""
+    from agentrl.models.tiny import BaseModelConfig, build_base_model
+
+    out = tmp_path_factory.mktemp("base") / "model"
+    return str(build_base_model(out, BaseModelConfig(steps=40, batch_size=32, warmup_steps=5), progress=False))
