@@ -114,8 +114,12 @@ def _operand(rng: random.Random) -> int:
     return rng.randint(1, [9, 99, 999][rng.randint(0, 2)])
 
 
-def calculator_tasks(n: int, seed: int = 0, split: str = "train") -> list[dict]:
-    """`n` distinct tasks `a op b` (op in + - *, operands of 1-3 digits) from the given split."""
+def calculator_tasks(n: int, seed: int = 0, split: str = "train", unique: bool = True) -> list[dict]:
+    """`n` tasks `a op b` (op in + - *, operands of 1-3 digits) from the given split.
+
+    With `unique`, no question repeats; SFT corpora pass False so that short operands (only 81 pairs of
+    one-digit numbers exist) keep their share instead of running out after a few hundred draws.
+    """
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     rng, tasks, seen = random.Random(f"calculator-{seed}-{split}"), [], set()
@@ -123,10 +127,11 @@ def calculator_tasks(n: int, seed: int = 0, split: str = "train") -> list[dict]:
         a, b, op = _operand(rng), _operand(rng), rng.choice("+-*")
         expression = f"{a} {op} {b}"
         question = f"What is {expression}?"
-        if question in seen or _split_of(question) != split:
+        if (unique and question in seen) or _split_of(question) != split:
             continue
         seen.add(question)
-        tasks.append({"question": question, "answer": format_number(safe_eval(expression)), "expression": expression})
+        answer = a + b if op == "+" else a - b if op == "-" else a * b
+        tasks.append({"question": question, "answer": str(answer), "expression": expression})
     return tasks
 
 

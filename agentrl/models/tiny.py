@@ -78,12 +78,23 @@ def build_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
 
 def _encode(tokenizer, segments: Segments, eos_id: int) -> tuple[list[int], list[int]]:
     """Token ids and labels of one demonstration, tokenized segment by segment as the rollout engine does."""
-    ids, labels = [], []
-    for k, (text, trainable) in enumerate(segments):
-        piece = tokenizer(text, add_special_tokens=(k == 0))["input_ids"]
-        ids += piece
-        labels += piece if trainable else [-100] * len(piece)
-    return ids + [eos_id], labels + [eos_id]
+    return _encode_many(tokenizer, [segments], eos_id)[0]
+
+
+def _encode_many(tokenizer, demos: list[Segments], eos_id: int) -> list[tuple[list[int], list[int]]]:
+    """Many demonstrations at once: one batched tokenizer call over all segments (fast, in Rust)."""
+    texts = [text for demo in demos for text, _ in demo]
+    pieces = iter(tokenizer(texts, add_special_tokens=False)["input_ids"])
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    out = []
+    for demo in demos:
+        ids, labels = list(bos), [-100] * len(bos)  # the prompt starts with BOS, as tokenizer(prompt) gives
+        for _text, trainable in demo:
+            piece = next(pieces)
+            ids += piece
+            labels += piece if trainable else [-100] * len(piece)
+        out.append((ids + [eos_id], labels + [eos_id]))
+    return out
 
 
 def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -145,11 +156,11 @@ def build_base_model(out_dir: str | Path, config: BaseModelConfig | None = None,
     rng = random.Random(config.seed)
     make_tasks, demonstrate = CORPORA[config.corpus]()
     n_examples = config.steps * config.batch_size
-    tasks = make_tasks(n_examples, seed=config.seed, split="train")
+    tasks = make_tasks(n_examples, seed=config.seed, split="train", unique=False)
     demos = [demonstrate(t, rng.random() < config.tool_fraction, rng) for t in tasks]
 
     tokenizer = build_tokenizer(["".join(text for text, _ in d[: 4]) for d in demos[:5000]], config.vocab_size)
-    encoded = [_encode(tokenizer, d, tokenizer.eos_token_id) for d in demos]
+    encoded = _encode_many(tokenizer, demos, tokenizer.eos_token_id)
     model_config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_heads, num_key_value_heads=config.num_heads,
@@ -182,7 +193,7 @@ def build_base_model(out_dir: str | Path, config: BaseModelConfig | None = None,
         raise RuntimeError(f"base-model training diverged (loss {loss_value}); nothing was saved")
     model.eval()
     probe_tasks = make_tasks(200, seed=config.seed, split="eval")
-    probe = [_encode(tokenizer, _skip_decision(demonstrate(t, True, rng)), tokenizer.eos_token_id) for t in probe_tasks]
+    probe = _encode_many(tokenizer, [_skip_decision(demonstrate(t, True, rng)) for t in probe_tasks], tokenizer.eos_token_id)
     meta = {"config": asdict(config), "final_loss": loss_value,
             "tool_demo_exact_match": demonstration_accuracy(model, probe, tokenizer.pad_token_id), "parameters": sum(p.numel() for p in model.parameters()),
             "train_seconds": round(time.time() - started, 1)}
