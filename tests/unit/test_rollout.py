@@ -1,5 +1,6 @@
 """Rollout masks and token-in-token-out, on a real tiny model."""
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -35,7 +36,9 @@ def test_masks_and_sampled_ids(tiny_base):
     # the prompt is never a target
     for i, ep in enumerate(episodes):
         assert batch.loss_mask[i, : len(ep.prompt_ids) - 1].sum() == 0
-        assert batch.scores[i].sum().item() == ep.score
+        assert batch.scores[i].sum().item() == pytest.approx(ep.score)
+        last = len(ep.prompt_ids) + ep.turn_ends[-1] - 1  # the position predicting the last turn's last token
+        assert batch.scores[i, last].item() == pytest.approx(ep.turn_rewards[-1] + (ep.turn_rewards[0] if ep.num_turns == 1 else 0.0))
 
 
 def test_sampled_logprobs_match_a_recomputed_forward(tiny_base):
