@@ -95,6 +95,9 @@ def run_job(config: JobConfig) -> dict:
     eval_tasks = load_tasks(config.env.tasks, config.env.eval_tasks, config.eval_seed, "eval")
     held_out = {t.get("question", str(t)) for t in eval_tasks}
     train_tasks = [t for t in train_tasks if t.get("question", str(t)) not in held_out]
+    if not train_tasks or not eval_tasks:
+        raise ValueError(f"{config.env.tasks}: {len(train_tasks)} training tasks remain after removing the "
+                         f"{len(eval_tasks)} held-out ones; both must be non-empty")
     max_new = config.rollout.max_new_tokens
 
     def both(m):

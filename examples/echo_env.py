@@ -8,9 +8,6 @@ import re
 
 from agentrl.envs import StepResult
 
-WORDS = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "candle"]
-
-
 class EchoEnv:
     stop_patterns = ()  # regexes that end a turn besides EOS
     max_turns = 1
@@ -26,4 +23,4 @@ class EchoEnv:
 
 def echo_tasks(n: int, seed: int = 0, split: str = "train") -> list[dict]:
     rng = random.Random(f"{seed}-{split}")
-    return [{"word": rng.choice(WORDS)} for _ in range(n)]
+    return [{"word": "".join(rng.choices("abcdefghij", k=5)) + split[0]} for _ in range(n)]

@@ -359,6 +359,8 @@ class PPOTrainer:
         prompt the environment builds reaches the model; the task's answer stays with the environment.
         """
         steps = steps or self.config.steps
+        if not tasks:
+            raise ValueError("train() needs at least one task")
         sampling = sampling or SamplingParams(temperature=self.config.temperature)
         if abs(sampling.temperature - self.config.temperature) > 1e-9:
             raise ValueError(f"sampling temperature {sampling.temperature} != PPOConfig.temperature "
@@ -527,7 +529,12 @@ class PPOTrainer:
         bad = [n for n, p in model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
         if bad:
             raise RuntimeError(f"refusing to save: non-finite values in {bad[:3]}")
-        save_atomically(save_directory, model.save_pretrained)
+        def write(tmp: str) -> None:
+            model.save_pretrained(tmp)
+            if not self.is_peft_model:  # a full model directory is only loadable with its tokenizer
+                self.tokenizer.save_pretrained(tmp)
+
+        save_atomically(save_directory, write)
 
 
 def _flat_config(config: PPOConfig) -> dict[str, Any]:
