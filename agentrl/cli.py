@@ -8,9 +8,8 @@ import sys
 
 
 def _cmd_base_model(args) -> int:
-    from agentrl.config import from_dict
+    from agentrl.config import apply_overrides, from_dict
     from agentrl.models.tiny import BaseModelConfig, build_base_model
-    from agentrl.config import apply_overrides
 
     config = from_dict(BaseModelConfig, apply_overrides({}, args.overrides))
     out = build_base_model(args.out, config)
@@ -27,6 +26,14 @@ def _cmd_ppo(args) -> int:
     return 0
 
 
+def _cmd_grpo(args) -> int:
+    from agentrl.pipeline import load_job, run_job
+
+    summary = run_job(load_job(args.config, ["algo=grpo", *args.overrides]))
+    _print_summary(summary)
+    return 0
+
+
 def _cmd_quickstart(args) -> int:
     from agentrl.pipeline import load_job, run_job
 
@@ -38,13 +45,13 @@ def _cmd_quickstart(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    from agentrl.envs.base import load_object, make_env
+    from agentrl.envs.base import make_env
     from agentrl.evaluate import evaluate, load_policy, write_json
+    from agentrl.pipeline import load_tasks
 
     model, tokenizer = load_policy(args.model, args.adapter)
     env_kwargs = json.loads(args.env_kwargs) if args.env_kwargs else {}
-    tasks = load_object(args.task_source)(args.tasks, seed=args.seed, split="eval") \
-        if not args.task_source.endswith(".jsonl") else __import__("agentrl.data", fromlist=["read_jsonl"]).read_jsonl(args.task_source)[: args.tasks]
+    tasks = load_tasks(args.task_source, args.tasks, args.seed, "eval")
     metrics = evaluate(model, tokenizer, lambda: make_env(args.env, env_kwargs), tasks, greedy=not args.sample,
                        temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
     print(json.dumps(metrics, indent=2))
@@ -62,7 +69,8 @@ def _print_summary(summary: dict) -> None:
     print(f"\nheld-out tasks: {summary['eval_tasks']} (greedy decoding unless noted)")
     for name, b, a in rows:
         print(f"  {name:<24}{b:>8}{a:>8}")
-    print(f"PPO steps: {summary['ppo_steps']}  PPO time: {summary['ppo_seconds']} s  total: {summary['wall_seconds']} s")
+    print(f"{summary['algo'].upper()} steps: {summary['steps']}  training time: {summary['train_seconds']} s  "
+          f"total: {summary['wall_seconds']} s")
     print(f"adapter: {summary['adapter_dir']}")
 
 
@@ -79,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="a YAML file, or a shipped config name (quickstart)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     p.set_defaults(func=_cmd_ppo)
+
+    p = sub.add_parser("grpo", help="run a GRPO / Dr. GRPO / RLOO job from a YAML config")
+    p.add_argument("--config", required=True, help="a YAML file, or a shipped config name (grpo)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    p.set_defaults(func=_cmd_grpo)
 
     p = sub.add_parser("quickstart", help="base model -> eval -> PPO -> eval, on the calculator")
     p.add_argument("--out", default="runs/quickstart")

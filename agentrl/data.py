@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
+
+
+def split_of(key: str, eval_fraction: float = 0.2) -> str:
+    """Deterministic train/eval split by a task's text, so training and held-out tasks never overlap."""
+    bucket = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return "eval" if bucket < eval_fraction else "train"
+
+
+def read_task_split(path: str | Path, split: str) -> list[dict]:
+    """Rows of a task JSONL for `split`: by their own "split" field when they have one, else by `split_of`."""
+    rows = read_jsonl(path)
+    return [r for r in rows if r.get("split", split_of(json.dumps(r, sort_keys=True))) == split]
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

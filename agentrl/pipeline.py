@@ -5,10 +5,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from agentrl.config import load_config, to_dict
 from agentrl.envs.base import load_object, make_env
 from agentrl.models.tiny import BaseModelConfig
+from agentrl.trainers.grpo import GRPOConfig
 from agentrl.trainers.ppo import PPOConfig
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -45,11 +47,13 @@ class RolloutSection:
 
 @dataclass
 class JobConfig:
+    algo: Literal["ppo", "grpo"] = "ppo"  # which trainer runs; its section (ppo or grpo) configures it
     model: ModelSection = field(default_factory=ModelSection)
     env: EnvSection = field(default_factory=EnvSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     ppo: PPOConfig = field(default_factory=PPOConfig)
-    steps: int = 60  # PPO steps (each of ppo.batch_size episodes)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    steps: int = 60  # training steps (each of ppo.batch_size, or grpo.tasks_per_step * num_generations, episodes)
     out_dir: str = "runs/ppo"  # adapter, metrics.jsonl and summary.json go here
     eval_seed: int = 0  # seed of the held-out task draw and of sampled evaluation
     progress: bool = True  # progress bars
@@ -65,22 +69,23 @@ def resolve_config_path(name: str) -> Path:
 
 
 def load_tasks(spec: str, n: int, seed: int, split: str) -> list[dict]:
+    """Tasks from a `module:function(n, seed, split)` or a JSONL file (its rows of this split, see data.py)."""
     if spec.endswith(".jsonl"):
-        from agentrl.data import read_jsonl
+        from agentrl.data import read_task_split
 
-        rows = read_jsonl(spec)
-        return rows[:n]
+        return read_task_split(spec, split)[:n]
     return load_object(spec)(n, seed=seed, split=split)
 
 
 def run_job(config: JobConfig) -> dict:
-    """Build or load the base model, evaluate, train with PPO, evaluate again, save; returns the summary."""
+    """Build or load the base model, evaluate, train (PPO or GRPO), evaluate again, save; returns the summary."""
     import torch
     from peft import LoraConfig, get_peft_model
 
     from agentrl.evaluate import evaluate, load_policy, write_json
     from agentrl.models.tiny import build_base_model
     from agentrl.rollout.sampling import SamplingParams
+    from agentrl.trainers.grpo import GRPOTrainer
     from agentrl.trainers.ppo import PPOTrainer
 
     started = time.time()
@@ -91,7 +96,8 @@ def run_job(config: JobConfig) -> dict:
     model, tokenizer = load_policy(base_dir)
     env_factory = lambda: make_env(config.env.name, config.env.kwargs)  # noqa: E731
     env_factory()  # fail early on a bad environment spec
-    train_tasks = load_tasks(config.env.tasks, config.env.train_tasks, config.ppo.seed, "train")
+    algo_config = config.ppo if config.algo == "ppo" else config.grpo
+    train_tasks = load_tasks(config.env.tasks, config.env.train_tasks, algo_config.seed, "train")
     eval_tasks = load_tasks(config.env.tasks, config.env.eval_tasks, config.eval_seed, "eval")
     held_out = {t.get("question", str(t)) for t in eval_tasks}
     train_tasks = [t for t in train_tasks if t.get("question", str(t)) not in held_out]
@@ -102,20 +108,23 @@ def run_job(config: JobConfig) -> dict:
 
     def both(m):
         return {"greedy": evaluate(m, tokenizer, env_factory, eval_tasks, True, max_new_tokens=max_new, seed=config.eval_seed),
-                "sampled": evaluate(m, tokenizer, env_factory, eval_tasks, False, config.ppo.temperature,
+                "sampled": evaluate(m, tokenizer, env_factory, eval_tasks, False, algo_config.temperature,
                                     max_new_tokens=max_new, seed=config.eval_seed)}
 
     before = both(model)
-    torch.manual_seed(config.ppo.seed)
+    torch.manual_seed(algo_config.seed)
     if config.model.lora:
         model = get_peft_model(model, LoraConfig(r=config.model.lora_r, lora_alpha=config.model.lora_alpha,
                                                  lora_dropout=config.model.lora_dropout, bias="none",
                                                  target_modules=list(config.model.target_modules), task_type="CAUSAL_LM"))
-    trainer = PPOTrainer(config=config.ppo, model=model, tokenizer=tokenizer)
-    sampling = SamplingParams(max_new_tokens=max_new, temperature=config.ppo.temperature,
+    if config.algo == "ppo":
+        trainer = PPOTrainer(config=config.ppo, model=model, tokenizer=tokenizer)
+    else:
+        trainer = GRPOTrainer(config.grpo, model, tokenizer)
+    sampling = SamplingParams(max_new_tokens=max_new, temperature=algo_config.temperature,
                               top_k=config.rollout.top_k, top_p=config.rollout.top_p)
     ppo_started = time.time()
-    trainer.train(env_factory, [{k: v for k, v in t.items()} for t in train_tasks], steps=config.steps,
+    trainer.train(env_factory, train_tasks, steps=config.steps,
                   sampling=sampling, metrics_path=str(out / "metrics.jsonl"), progress=config.progress)
     ppo_seconds = time.time() - ppo_started
     adapter_dir = out / ("adapter" if config.model.lora else "model")
@@ -124,8 +133,9 @@ def run_job(config: JobConfig) -> dict:
     summary = {
         "before": before["greedy"], "after": after["greedy"],
         "before_sampled": before["sampled"], "after_sampled": after["sampled"],
-        "ppo_steps": config.steps, "episodes": config.steps * config.ppo.batch_size,
-        "eval_tasks": len(eval_tasks), "ppo_seconds": round(ppo_seconds, 1),
+        "algo": config.algo, "steps": config.steps, "ppo_steps": config.steps if config.algo == "ppo" else 0,
+        "episodes": config.steps * algo_config.batch_size,
+        "eval_tasks": len(eval_tasks), "train_seconds": round(ppo_seconds, 1),
         "wall_seconds": round(time.time() - started, 1),
         "base_model_dir": str(base_dir), "adapter_dir": str(adapter_dir), "config": to_dict(config),
     }

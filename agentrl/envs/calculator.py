@@ -13,11 +13,12 @@ answer is wrong, -0.5 only malformed tool calls, -1.0 no tool call at all. The a
 
 from __future__ import annotations
 
-import hashlib
+import ast
 import random
 import re
 from dataclasses import dataclass
 
+from agentrl.data import split_of
 from agentrl.envs.base import StepResult
 from agentrl.envs.safe_eval import CalculatorError, format_number, safe_eval
 
@@ -49,8 +50,9 @@ class CalculatorEnv:
 
     stop_patterns = (r"Action:[^\n]*\n",)
 
-    def __init__(self, max_turns: int = 3, rewards: dict | None = None):
+    def __init__(self, max_turns: int = 3, rewards: dict | None = None, max_operations: int | None = None):
         self.max_turns = max_turns
+        self.max_operations = max_operations
         self.rewards = CalculatorRewards(**(rewards or {}))
         self._task: dict | None = None
 
@@ -77,7 +79,7 @@ class CalculatorEnv:
             self._format_errors += 1
             return "Observation: Error: expected calculator(<expression>)\n"
         try:
-            result = format_number(safe_eval(match.group(1)))
+            result = format_number(safe_eval(match.group(1), self.max_operations))
         except CalculatorError as e:
             self._format_errors += 1
             return f"Observation: Error: {e}\n"
@@ -104,12 +106,6 @@ class CalculatorEnv:
 
 # --- tasks and demonstrations -------------------------------------------------------------------------
 
-def _split_of(question: str, eval_fraction: float = 0.2) -> str:
-    """Deterministic split by question text, so SFT/PPO tasks and held-out eval tasks never overlap."""
-    bucket = int(hashlib.sha256(question.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-    return "eval" if bucket < eval_fraction else "train"
-
-
 def _operand(rng: random.Random) -> int:
     return rng.randint(1, [9, 99, 999][rng.randint(0, 2)])
 
@@ -127,7 +123,7 @@ def calculator_tasks(n: int, seed: int = 0, split: str = "train", unique: bool =
         a, b, op = _operand(rng), _operand(rng), rng.choice("+-*")
         expression = f"{a} {op} {b}"
         question = f"What is {expression}?"
-        if (unique and question in seen) or _split_of(question) != split:
+        if (unique and question in seen) or split_of(question) != split:
             continue
         seen.add(question)
         answer = a + b if op == "+" else a - b if op == "-" else a * b
@@ -164,3 +160,69 @@ def calculator_demonstration(task: dict, use_tool: bool, rng: random.Random) -> 
         (f"Observation: {task['answer']}\n", False),
         (f"Answer: {task['answer']}", True),
     ]
+
+
+# --- the multi-step variant -----------------------------------------------------------------------------
+
+class MultiStepCalculatorEnv(CalculatorEnv):
+    """`(a + b) * c`, `a * b - c`, ...: the calculator does one operation per call, so a correct answer
+    takes two or three calls in sequence. Same rewards and text protocol as CalculatorEnv."""
+
+    def __init__(self, max_turns: int = 5, rewards: dict | None = None):
+        super().__init__(max_turns=max_turns, rewards=rewards, max_operations=1)
+
+
+_TEMPLATES = ("({a} + {b}) * {c}", "({a} - {b}) * {c}", "{a} * {b} - {c}", "{a} * {b} + {c}", "({a} + {b}) * ({c} - {d})")
+
+
+def _steps_of(expression: str) -> list[tuple[str, str]]:
+    """The single operations that evaluate `expression`, innermost first: [(step expression, result)]."""
+    steps = []
+
+    def walk(node: ast.AST) -> str:
+        if isinstance(node, ast.Constant):
+            return str(node.value)
+        left, right = walk(node.left), walk(node.right)
+        step = f"{left} {_OPS[type(node.op)]} {right}"
+        steps.append((step, format_number(safe_eval(step))))
+        return steps[-1][1]
+
+    walk(ast.parse(expression, mode="eval").body)
+    return steps
+
+
+_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*"}
+
+
+def multistep_tasks(n: int, seed: int = 0, split: str = "train", unique: bool = True) -> list[dict]:
+    """`n` tasks needing 2-3 single-operation calls, from the given split (see calculator_tasks)."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    rng, tasks, seen = random.Random(f"multistep-{seed}-{split}"), [], set()
+    while len(tasks) < n:
+        template = rng.choice(_TEMPLATES)
+        expression = template.format(a=rng.randint(1, 99), b=rng.randint(1, 99), c=rng.randint(1, 9), d=rng.randint(1, 9))
+        question = f"What is {expression}?"
+        if (unique and question in seen) or split_of(question) != split:
+            continue
+        seen.add(question)
+        tasks.append({"question": question, "answer": format_number(safe_eval(expression)), "expression": expression})
+    return tasks
+
+
+def multistep_demonstration(task: dict, complete: bool, rng: random.Random) -> list[tuple[str, bool]]:
+    """A multi-call trace. Imperfect on purpose when not `complete`: it stops after the first call and
+    answers the intermediate result, or guesses the final step, so RL must teach it to finish the job."""
+    steps = _steps_of(task["expression"])
+    segments = [(f"Question: {task['question']}\n", False)]
+    n_calls = len(steps) if complete else rng.randint(1, len(steps) - 1)
+    for k, (step, result) in enumerate(steps[:n_calls]):
+        word = "First" if k == 0 else "Then"
+        segments.append((f"Thought: {word} {step}.\nAction: calculator({step})\n", True))
+        segments.append((f"Observation: {result}\n", False))
+    if complete:
+        answer = steps[-1][1]
+    else:
+        answer = steps[n_calls - 1][1] if rng.random() < 0.5 else _wrong_guess(steps[-1][1], rng)
+    segments.append((f"Answer: {answer}", True))
+    return segments

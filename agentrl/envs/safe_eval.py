@@ -59,8 +59,11 @@ def _eval(node: ast.AST) -> int | float:
     raise CalculatorError(f"unsupported syntax: {type(node).__name__}")
 
 
-def safe_eval(expression: str) -> int | float:
-    """Evaluate a bounded arithmetic expression. Raises CalculatorError with a readable message."""
+def safe_eval(expression: str, max_operations: int | None = None) -> int | float:
+    """Evaluate a bounded arithmetic expression. Raises CalculatorError with a readable message.
+
+    max_operations: refuse expressions with more binary operations (1 = one `a op b` per call).
+    """
     if not isinstance(expression, str):
         raise CalculatorError("expression must be a string")
     if len(expression) > MAX_LENGTH:
@@ -76,6 +79,10 @@ def safe_eval(expression: str) -> int | float:
         tree = ast.parse(expression, mode="eval")
     except SyntaxError:
         raise CalculatorError("malformed expression") from None
+    if max_operations is not None:
+        n_ops = sum(isinstance(node, ast.BinOp) for node in ast.walk(tree))
+        if n_ops > max_operations:
+            raise CalculatorError(f"{n_ops} operations in one call; this calculator does {max_operations}")
     return _eval(tree.body)
 
 

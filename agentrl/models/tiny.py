@@ -32,7 +32,7 @@ class BaseModelConfig:
     """How the embedded base model is built. The defaults are the smallest that learned reliably here."""
 
     corpus: str = "calculator"  # which synthetic demonstrations to learn (see CORPORA)
-    tool_fraction: float = 0.4  # share of demonstrations that call the tool; the rest guess
+    tool_fraction: float = 0.4  # share of demonstrations that do the job right (call the tool / every call)
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
@@ -52,7 +52,14 @@ def _calculator_corpus() -> tuple[Callable, Callable]:
     return calculator_tasks, calculator_demonstration
 
 
-CORPORA: dict[str, Callable[[], tuple[Callable, Callable]]] = {"calculator": _calculator_corpus}
+def _multistep_corpus() -> tuple[Callable, Callable]:
+    from agentrl.envs.calculator import multistep_demonstration, multistep_tasks
+
+    return multistep_tasks, multistep_demonstration
+
+
+CORPORA: dict[str, Callable[[], tuple[Callable, Callable]]] = {"calculator": _calculator_corpus,
+                                                                "multistep": _multistep_corpus}
 
 
 def build_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:

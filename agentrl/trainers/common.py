@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,18 +84,19 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def policy_forward(model, batch: TokenBatch, temperature: float, with_entropy: bool = False):
-    """Value-head model forward -> (logprobs (B, T-1), values (B, T-1), entropy (B, T-1) or None)."""
+    """Value-head model forward -> (logprobs (B, T-1), values (B, T-1), entropy (B, T-1) or None, logits)."""
     logits, _, values = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                               position_ids=position_ids(batch.attention_mask))
     entropy = entropy_from_logits(logits[:, :-1].float() / temperature) if with_entropy else None
-    return token_logprobs(logits, batch.input_ids, temperature), values[:, :-1].float(), entropy
+    return token_logprobs(logits, batch.input_ids, temperature), values[:, :-1].float(), entropy, logits
 
 
-def lm_logprobs(lm, batch: TokenBatch, temperature: float) -> torch.Tensor:
-    """Plain causal-LM forward -> logprobs (B, T-1)."""
+def lm_logprobs(lm, batch: TokenBatch, temperature: float, return_logits: bool = False):
+    """Plain causal-LM forward -> logprobs (B, T-1) (and the logits (B, T, V) when asked)."""
     logits = lm(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                 position_ids=position_ids(batch.attention_mask)).logits
-    return token_logprobs(logits, batch.input_ids, temperature)
+    logprobs = token_logprobs(logits, batch.input_ids, temperature)
+    return (logprobs, logits) if return_logits else logprobs
 
 
 class MetricsLog:
@@ -111,3 +113,38 @@ class MetricsLog:
             clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in row.items()}
             with self.path.open("a") as f:
                 f.write(json.dumps(clean) + "\n")
+
+
+class TaskCycler:
+    """Draws tasks in shuffled passes over the task list, deterministically for a seed."""
+
+    def __init__(self, tasks: list[dict], seed: int):
+        if not tasks:
+            raise ValueError("training needs at least one task")
+        self.tasks, self.order = tasks, []
+        self.rng = random.Random(seed)
+
+    def draw(self, n: int) -> list[dict]:
+        out = []
+        while len(out) < n:
+            if not self.order:
+                self.order = list(range(len(self.tasks)))
+                self.rng.shuffle(self.order)
+            out.append(self.tasks[self.order.pop()])
+        return out
+
+
+def progress_bar(total: int, desc: str, enabled: bool):
+    """A tqdm bar (step, ETA) or None."""
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, dynamic_ncols=True)
+
+
+def finite_or_raise(model: torch.nn.Module) -> None:
+    """Refuse to checkpoint a model with NaN/inf in its trainable weights."""
+    bad = [n for n, p in model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
+    if bad:
+        raise RuntimeError(f"refusing to save: non-finite values in {bad[:3]}")

@@ -9,8 +9,9 @@ Maths lives in `agentrl.algos`; rollouts in `agentrl.rollout`.
 from __future__ import annotations
 
 import copy
+import contextlib
 import math
-import random
+import re
 import time
 import warnings
 from collections import defaultdict
@@ -26,8 +27,8 @@ from agentrl.algos.losses import ppo_policy_loss, ppo_value_loss
 from agentrl.models.value_head import AutoModelForCausalLMWithValueHead
 from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams, sample_batch
-from agentrl.trainers.common import (MetricsLog, TokenBatch, build_batch, episodes_to_batch, lm_logprobs,
-                                     policy_forward)
+from agentrl.trainers.common import (MetricsLog, TaskCycler, TokenBatch, build_batch, episodes_to_batch,
+                                     finite_or_raise, lm_logprobs, policy_forward, progress_bar)
 
 
 @dataclass
@@ -186,7 +187,12 @@ class PPOTrainer:
         else:
             self.ref_model = copy.deepcopy(model.pretrained_model).eval().requires_grad_(False)
         if config.gradient_checkpointing:
-            model.pretrained_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            lm = model.pretrained_model
+            # transformers 5.24 renamed gradient_checkpointing_enable to activation_checkpointing_enable
+            if hasattr(lm, "activation_checkpointing_enable"):
+                lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if self.is_peft_model:
                 model.pretrained_model.enable_input_require_grads()
 
@@ -253,8 +259,8 @@ class PPOTrainer:
                                 top_k=int(kwargs.get("top_k") or 0), top_p=float(kwargs.get("top_p", 1.0)),
                                 do_sample=bool(kwargs.get("do_sample", True)),
                                 min_new_tokens=int(kwargs.get("min_new_tokens", 0)))
-        stops = tuple(__import__("re").escape(s) for s in ([kwargs["stop_strings"]] if isinstance(
-            kwargs.get("stop_strings"), str) else kwargs.get("stop_strings") or []))
+        stop_strings = kwargs.get("stop_strings") or []
+        stops = tuple(re.escape(s) for s in ([stop_strings] if isinstance(stop_strings, str) else stop_strings))
         eos = kwargs.get("eos_token_id", self.tokenizer.eos_token_id)
         return params, int(eos[0] if isinstance(eos, (list, tuple)) else eos), stops, int(kwargs.get("batch_size", 64))
 
@@ -330,8 +336,6 @@ class PPOTrainer:
         rewards = torch.tensor([float(torch.as_tensor(r)) for r in rewards])
         row = dict(stats)
         row["env/reward_mean"], row["env/reward_std"] = rewards.mean().item(), rewards.std(unbiased=False).item()
-        row["env/reward_dist"] = None
-        row.pop("env/reward_dist")
         self._log(row)
 
     def _log(self, row: dict) -> None:
@@ -359,28 +363,15 @@ class PPOTrainer:
         prompt the environment builds reaches the model; the task's answer stays with the environment.
         """
         steps = steps or self.config.steps
-        if not tasks:
-            raise ValueError("train() needs at least one task")
         sampling = sampling or SamplingParams(temperature=self.config.temperature)
         if abs(sampling.temperature - self.config.temperature) > 1e-9:
             raise ValueError(f"sampling temperature {sampling.temperature} != PPOConfig.temperature "
                              f"{self.config.temperature}; logprobs must be computed at the sampling temperature")
         self.metrics_log = MetricsLog(metrics_path) if metrics_path else self.metrics_log
-        rng = random.Random(self.config.seed)
-        order: list[int] = []
-        history = []
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=steps, desc="PPO", dynamic_ncols=True)
+        cycler, history = TaskCycler(tasks, self.config.seed), []
+        bar = progress_bar(steps, "PPO", progress)
         for _ in range(steps):
-            batch_tasks = []
-            while len(batch_tasks) < self.config.batch_size:
-                if not order:
-                    order = list(range(len(tasks)))
-                    rng.shuffle(order)
-                batch_tasks.append(tasks[order.pop()])
+            batch_tasks = cycler.draw(self.config.batch_size)
             started = time.time()
             episodes = rollout(self.policy, self.tokenizer, env_factory, batch_tasks, sampling)
             rollout_seconds = time.time() - started
@@ -403,42 +394,38 @@ class PPOTrainer:
     # --- the update ------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _old_and_ref(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """No-grad forwards in mini-batch chunks: (old_logprobs, values, ref_logprobs), each (B, T-1)."""
-        T = self.config.temperature
-        old, values, ref = [], [], []
+    def _old_and_ref(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """No-grad forwards in mini-batch chunks: (old_logprobs, values, ref_logprobs, kl), each (B, T-1)."""
+        T, kind = self.config.temperature, self.config.kl_penalty
+        parts: list[list[torch.Tensor]] = [[], [], [], []]
         for start in range(0, len(batch), self.config.mini_batch_size):
-            idx = torch.arange(start, min(start + self.config.mini_batch_size, len(batch)))
-            chunk = batch.select(idx)
+            chunk = batch.select(torch.arange(start, min(start + self.config.mini_batch_size, len(batch))))
             pad = batch.loss_mask.shape[1] - chunk.loss_mask.shape[1]
             with self.accelerator.autocast():
-                logp, v, _ = policy_forward(self.model, chunk, T)
+                logp, v, _, logits = policy_forward(self.model, chunk, T)
                 with self._reference():
-                    ref_logp = lm_logprobs(self.ref_model or self.policy, chunk, T)
-            old.append(torch.nn.functional.pad(logp, (0, pad)))
-            values.append(torch.nn.functional.pad(v, (0, pad)))
-            ref.append(torch.nn.functional.pad(ref_logp, (0, pad)))
-        return torch.cat(old), torch.cat(values), torch.cat(ref)
+                    ref_logp, ref_logits = lm_logprobs(self.ref_model or self.policy, chunk, T, return_logits=True)
+            kl = kl_penalty(logp, ref_logp, kind, logits[:, :-1] / T, ref_logits[:, :-1] / T)
+            for out, x in zip(parts, (logp, v, ref_logp, kl)):
+                out.append(torch.nn.functional.pad(x, (0, pad)))
+        return tuple(torch.cat(p) for p in parts)
 
     def _reference(self):
-        import contextlib
-
         if self.ref_model is None:
             return self.accelerator.unwrap_model(self.model).adapter_disabled()
         return contextlib.nullcontext()
 
     def _update(self, batch: TokenBatch) -> dict[str, float]:
         cfg, t0 = self.config, time.time()
+        self.model.eval()  # dropout off, whatever the caller did to the model in between
         batch = TokenBatch(*(x.to(self.accelerator.device) for x in (batch.input_ids, batch.attention_mask,
                                                                        batch.loss_mask, batch.scores)))
         mask = batch.loss_mask  # (B, T-1): 1 on sampled tokens only; prompt, tool output, padding are 0
-        if cfg.kl_penalty == "full":
-            raise NotImplementedError("kl_penalty='full' is not implemented yet; use 'kl', 'abs' or 'mse'")
-        old_logprobs, values, ref_logprobs = self._old_and_ref(batch)
+        old_logprobs, values, ref_logprobs, kl = self._old_and_ref(batch)
         t_forward = time.time()
 
         # Per-token rewards: -beta * KL at every action token, plus each turn's score at its last token.
-        kl = kl_penalty(old_logprobs, ref_logprobs, cfg.kl_penalty) * mask
+        kl = kl * mask
         non_score_rewards = -self.kl_ctl.value * kl
         rewards = non_score_rewards + batch.scores
         if cfg.whiten_rewards:
@@ -462,7 +449,7 @@ class PPOTrainer:
                 mb_old, mb_values, mb_adv, mb_ret = (x[idx, :w] for x in (old_logprobs, values, advantages, returns))
                 with self.accelerator.accumulate(self.model):
                     with self.accelerator.autocast():
-                        logprobs, vpred, entropy = policy_forward(self.model, mb, cfg.temperature, with_entropy=True)
+                        logprobs, vpred, entropy, _ = policy_forward(self.model, mb, cfg.temperature, with_entropy=True)
                     pg_loss, pg_stats = ppo_policy_loss(logprobs, mb_old, mb_adv, mb.loss_mask, cfg.cliprange)
                     vf_loss, vf_stats = ppo_value_loss(vpred, mb_values, mb_ret, mb.loss_mask, cfg.cliprange_value)
                     mean_entropy = masked_mean(entropy, mb.loss_mask)
@@ -485,6 +472,7 @@ class PPOTrainer:
                 acc["ppo/policy/ratio"].append(pg_stats["ratio"].item())
                 acc["ppo/val/clipfrac"].append(vf_stats["clipfrac"].item())
                 acc["ppo/val/vpred"].append(masked_mean(vpred, mb.loss_mask).item())
+                acc["ppo/val/error"].append(masked_mean((vpred - mb_ret).square(), mb.loss_mask).item())
                 epoch_kl.append(pg_stats["policykl"].item())
             if cfg.early_stopping and sum(epoch_kl) / len(epoch_kl) > 1.5 * cfg.target_kl:
                 break
@@ -498,6 +486,8 @@ class PPOTrainer:
         stats.update({
             "objective/kl": seq_kl.mean().item(),
             "objective/kl_coef": self.kl_ctl.value,
+            "objective/logprobs": masked_mean(old_logprobs, mask).item(),
+            "objective/ref_logprobs": masked_mean(ref_logprobs, mask).item(),
             "objective/entropy": (-old_logprobs * mask).sum(-1).mean().item(),
             "ppo/mean_scores": batch.scores.sum(-1).mean().item(),
             "ppo/std_scores": batch.scores.sum(-1).std(unbiased=False).item(),
@@ -526,9 +516,7 @@ class PPOTrainer:
         from agentrl.models.tiny import save_atomically
 
         model = self.accelerator.unwrap_model(self.model)
-        bad = [n for n, p in model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
-        if bad:
-            raise RuntimeError(f"refusing to save: non-finite values in {bad[:3]}")
+        finite_or_raise(model)
         def write(tmp: str) -> None:
             model.save_pretrained(tmp)
             if not self.is_peft_model:  # a full model directory is only loadable with its tokenizer

@@ -1,5 +1,6 @@
 """Real PPO steps on a real tiny model: what changes, what is saved, and the tutorial's loop as written."""
 
+import math
 import re
 
 import pytest
@@ -32,6 +33,16 @@ def test_step_changes_lora_and_value_head_only(tiny_base):
     changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p.detach())}
     assert any("lora_" in n for n in changed) and any("v_head" in n for n in changed)
     assert all("lora_" in n or "v_head" in n for n in changed), sorted(changed)
+
+
+@pytest.mark.parametrize("kl", ["full", "abs", "mse"])
+def test_other_kl_penalties_and_checkpointing_run(tiny_base, kl):
+    tok = AutoTokenizer.from_pretrained(tiny_base)
+    trainer = PPOTrainer(PPOConfig(batch_size=2, mini_batch_size=2, ppo_epochs=1, kl_penalty=kl,
+                                   gradient_checkpointing=kl == "full"), lora_model(tiny_base), None, tok)
+    q = [tok("Question: What is 2 + 2?\n", return_tensors="pt")["input_ids"][0]] * 2
+    stats = trainer.step(q, trainer.generate(q, return_prompt=False, max_new_tokens=6), [1.0, -1.0])
+    assert math.isfinite(stats["ppo/loss/total"]) and stats["objective/kl"] == pytest.approx(0.0, abs=1e-5)
 
 
 def test_full_finetuning_keeps_a_frozen_reference(tiny_base):

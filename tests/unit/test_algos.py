@@ -87,6 +87,10 @@ def test_kl_estimators():
     assert torch.allclose(k3_kl(logp, ref), torch.tensor([expected]))
     with pytest.raises(ValueError):
         kl_penalty(logp, ref, "nope")
+    # full: p = (0.5, 0.5), q = (0.25, 0.75): KL = 0.5 ln 2 + 0.5 ln(2/3)
+    logits, ref_logits = torch.log(torch.tensor([[[0.5, 0.5]]])), torch.log(torch.tensor([[[0.25, 0.75]]]))
+    full = kl_penalty(logp[:, :1], ref[:, :1], "full", logits, ref_logits)
+    assert full.item() == pytest.approx(0.5 * math.log(2) + 0.5 * math.log(2 / 3))
 
 
 def test_kl_controllers():

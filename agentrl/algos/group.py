@@ -1,0 +1,84 @@
+"""Critic-free advantages and the GRPO objective.
+
+GRPO: Shao et al. 2024 (DeepSeekMath, arXiv:2402.03300); Dr. GRPO: Liu et al. 2025 (arXiv:2503.20783);
+RLOO: Ahmadian et al. 2024 (arXiv:2402.14740).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agentrl.algos.advantages import masked_mean
+
+
+def _groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    if scores.dim() != 1 or group_size < 1 or scores.numel() % group_size:
+        raise ValueError(f"scores must be 1-D with a length divisible by group_size={group_size}, "
+                         f"got shape {tuple(scores.shape)}")
+    return scores.float().view(-1, group_size)
+
+
+def group_advantages(scores: torch.Tensor, group_size: int, normalize_std: bool = True,
+                     eps: float = 1e-4) -> torch.Tensor:
+    """GRPO advantages. scores: (N,) holding N / group_size consecutive groups -> (N,).
+
+    A_i = (s_i - mean(group)) / (std(group) + eps); `normalize_std=False` is Dr. GRPO (no std division).
+    A group whose scores are all equal (or a group of one) gets advantage 0: it carries no signal.
+    The std is the unbiased one, as TRL's GRPOTrainer computes it.
+    """
+    g = _groups(scores, group_size)
+    centered = g - g.mean(dim=1, keepdim=True)
+    if normalize_std and group_size > 1:
+        std = g.std(dim=1, keepdim=True)
+        centered = torch.where(std > 0, centered / (std + eps), torch.zeros_like(centered))
+    return centered.view(-1)
+
+
+def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO: A_i = s_i - mean_{j != i} s_j within each group. scores (N,) -> (N,); a group of one gets 0."""
+    g = _groups(scores, group_size)
+    if group_size == 1:
+        return torch.zeros_like(g).view(-1)
+    leave_one_out = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)
+    return (g - leave_one_out).view(-1)
+
+
+def zero_variance_fraction(scores: torch.Tensor, group_size: int) -> float:
+    """Fraction of groups whose scores are all equal (no learning signal)."""
+    g = _groups(scores, group_size)
+    return float((g.max(dim=1).values - g.min(dim=1).values).abs().lt(1e-8).float().mean())
+
+
+def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
+              ref_logprobs: torch.Tensor | None = None, aggregation: str = "token_mean"):
+    """Clipped ratio objective with per-sequence advantages broadcast to every completion token.
+
+    logprobs, old_logprobs, mask, ref_logprobs: (B, T); advantages: (B,).
+    per-token loss = -min(r A, clip(r, 1-eps, 1+eps_high) A) + beta * k3(ref, logp).
+    aggregation "token_mean": mean over all tokens of the batch (long answers weigh more, DAPO's choice);
+    "sequence_mean": mean over each sequence's tokens, then over sequences (the original GRPO).
+    Returns (loss, stats) with stats `clipfrac`, `kl` (mean k3, 0 when beta is 0), `ratio`.
+    """
+    if aggregation not in ("token_mean", "sequence_mean"):
+        raise ValueError(f"aggregation must be 'token_mean' or 'sequence_mean', got {aggregation!r}")
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    ratio = torch.exp(logprobs - old_logprobs)
+    adv = advantages[:, None]
+    unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv
+    per_token = -torch.min(unclipped, clipped)
+    kl = torch.zeros_like(per_token)
+    if beta:
+        if ref_logprobs is None:
+            raise ValueError("beta > 0 needs ref_logprobs")
+        log_ratio = ref_logprobs - logprobs
+        kl = torch.exp(log_ratio) - log_ratio - 1.0
+        per_token = per_token + beta * kl
+    if aggregation == "token_mean":
+        loss = masked_mean(per_token, mask)
+    else:
+        loss = masked_mean(per_token, mask, dim=1).mean()
+    with torch.no_grad():
+        stats = {"clipfrac": masked_mean((clipped < unclipped).float(), mask),
+                 "kl": masked_mean(kl, mask), "ratio": masked_mean(ratio, mask)}
+    return loss, stats

@@ -1,0 +1,228 @@
+"""GRPO / Dr. GRPO / RLOO for tool-using agents: critic-free, on the same rollout engine as PPO.
+
+Top to bottom: config, set-up, `train()` (groups of `num_generations` episodes per task), `_update`
+(advantages from episode scores -> clipped ratio epochs -> stats). Per-turn rewards an environment
+returns are *summed* into the episode score, and that one advantage goes to every sampled token
+(PPO instead puts each turn's reward on the last token of its turn).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Callable, Literal
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from agentrl.algos import group_advantages, grpo_loss, masked_mean, rloo_advantages, zero_variance_fraction
+from agentrl.algos.losses import entropy_from_logits
+from agentrl.rollout.engine import Episode, episode_metrics, rollout
+from agentrl.rollout.sampling import SamplingParams
+from agentrl.trainers.common import (MetricsLog, TaskCycler, TokenBatch, episodes_to_batch, finite_or_raise,
+                                     lm_logprobs, progress_bar)
+
+
+@dataclass
+class GRPOConfig:
+    seed: int = 0  # random seed
+    steps: int = 100  # training steps (each of tasks_per_step * num_generations episodes)
+    learning_rate: float = 1e-6  # Adam learning rate (TRL's GRPO default; LoRA on tiny models wants far more)
+    tasks_per_step: int = 8  # distinct tasks per step
+    num_generations: int = 8  # episodes per task: the group whose scores are compared
+    num_iterations: int = 1  # optimisation passes over each batch (mu in the GRPO paper)
+    mini_batch_size: int = 64  # episodes per optimisation step
+    gradient_accumulation_steps: int = 1  # mini-batches per optimizer step
+    epsilon: float = 0.2  # ratio clip, lower side
+    epsilon_high: float | None = None  # ratio clip, upper side (None: = epsilon; DAPO uses 0.28)
+    beta: float = 0.0  # KL to the reference (k3); 0 means no reference forward at all
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"  # grpo: (s - mean) / std; dr_grpo: s - mean; rloo
+    loss_aggregation: Literal["token_mean", "sequence_mean"] = "token_mean"  # how token losses are averaged
+    temperature: float = 1.0  # sampling temperature; logprobs are computed at it
+    max_grad_norm: float | None = 1.0  # gradient-norm clip (None: off)
+    adam_eps: float = 1e-8  # Adam epsilon
+    missing_eos_penalty: float | None = None  # subtracted from the score of episodes cut by max_new_tokens
+    mixed_precision: Literal["no", "fp16", "bf16"] = "no"  # accelerate's mixed precision
+    log_with: str | None = None  # accelerate tracker ("tensorboard", "wandb", ...)
+    tracker_project_name: str = "agentrl"  # project name for the trackers
+    project_dir: str | None = None  # where trackers write
+
+    def __post_init__(self):
+        for name in ("tasks_per_step", "num_generations", "num_iterations", "mini_batch_size",
+                     "gradient_accumulation_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.num_generations == 1 and self.advantage != "dr_grpo":
+            warnings.warn("num_generations=1: every group has one episode, so every advantage is 0", stacklevel=3)
+
+    @property
+    def batch_size(self) -> int:
+        return self.tasks_per_step * self.num_generations
+
+
+class GRPOTrainer:
+    """model: a causal LM or a PeftModel. The reference (only used when beta > 0) is the adapter-disabled
+    model under LoRA, `ref_model` if given, else a frozen copy."""
+
+    def __init__(self, config: GRPOConfig, model, tokenizer, ref_model=None, optimizer=None):
+        self.config = config
+        set_seed(config.seed)
+        self.accelerator = Accelerator(gradient_accumulation_steps=config.gradient_accumulation_steps,
+                                       mixed_precision=config.mixed_precision, log_with=config.log_with,
+                                       project_dir=config.project_dir)
+        self.tokenizer = tokenizer
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token  # masks never come from pad ids
+        self.is_peft_model = hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+        self.ref_model = None
+        if config.beta > 0 and not self.is_peft_model:
+            self.ref_model = (ref_model or copy.deepcopy(model)).eval().requires_grad_(False)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = optimizer or torch.optim.Adam(params, lr=config.learning_rate, eps=config.adam_eps)
+        self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
+        if self.ref_model is not None:
+            self.ref_model.to(self.accelerator.device)
+        self.metrics_log = MetricsLog(None)
+        self.current_step = 0
+        if config.log_with:
+            self.accelerator.init_trackers(config.tracker_project_name, config={
+                k: v for k, v in asdict(config).items() if isinstance(v, (int, float, str, bool))})
+        self.model.eval()  # dropout off during rollouts and updates
+
+    @property
+    def policy(self):
+        return self.accelerator.unwrap_model(self.model)
+
+    def train(self, env_factory: Callable, tasks: list[dict], steps: int | None = None,
+              sampling: SamplingParams | None = None, metrics_path: str | None = None,
+              callback: Callable[[int, dict], None] | None = None, progress: bool = True) -> list[dict]:
+        """`steps` steps; each rolls out `num_generations` episodes for each of `tasks_per_step` tasks."""
+        cfg = self.config
+        steps = steps or cfg.steps
+        sampling = sampling or SamplingParams(temperature=cfg.temperature)
+        if abs(sampling.temperature - cfg.temperature) > 1e-9:
+            raise ValueError(f"sampling temperature {sampling.temperature} != GRPOConfig.temperature {cfg.temperature}")
+        self.metrics_log = MetricsLog(metrics_path) if metrics_path else self.metrics_log
+        cycler, history = TaskCycler(tasks, cfg.seed), []
+        bar = progress_bar(steps, cfg.advantage.upper(), progress)
+        for _ in range(steps):
+            # Consecutive copies of a task form its group: (task_0 x G, task_1 x G, ...).
+            batch_tasks = [t for t in cycler.draw(cfg.tasks_per_step) for _ in range(cfg.num_generations)]
+            started = time.time()
+            episodes = rollout(self.policy, self.tokenizer, env_factory, batch_tasks, sampling)
+            stats = self._update(episodes)
+            stats.update(episode_metrics(episodes))
+            stats["time/rollout"] = time.time() - started - stats["time/update"]
+            if cfg.log_with:
+                self.accelerator.log(stats, step=self.current_step)
+            self.metrics_log.write({"step": self.current_step, **stats})
+            history.append(stats)
+            if callback is not None:
+                callback(self.current_step, stats)
+            if bar is not None:
+                bar.set_postfix(score=f"{stats['grpo/mean_scores']:.2f}", acc=f"{stats['env/accuracy']:.2f}",
+                                zero_var=f"{stats['grpo/zero_variance_groups']:.2f}")
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        return history
+
+    def advantages(self, scores: torch.Tensor) -> torch.Tensor:
+        """(N,) episode scores in consecutive groups -> (N,) advantages."""
+        G = self.config.num_generations
+        if self.config.advantage == "rloo":
+            return rloo_advantages(scores, G)
+        return group_advantages(scores, G, normalize_std=self.config.advantage == "grpo")
+
+    @torch.no_grad()
+    def _ref_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        if self.ref_model is not None:
+            return lm_logprobs(self.ref_model, batch, self.config.temperature)
+        with self.policy.disable_adapter():
+            return lm_logprobs(self.policy, batch, self.config.temperature)
+
+    def _update(self, episodes: list[Episode]) -> dict[str, float]:
+        cfg, t0 = self.config, time.time()
+        self.model.eval()
+        scores = torch.tensor([ep.score for ep in episodes])
+        if cfg.missing_eos_penalty is not None:
+            scores = scores - cfg.missing_eos_penalty * torch.tensor([float(ep.truncated) for ep in episodes])
+        advantages = self.advantages(scores).to(self.accelerator.device)
+        full = episodes_to_batch(episodes, self.tokenizer.pad_token_id)
+        full = TokenBatch(*(x.to(self.accelerator.device) for x in (full.input_ids, full.attention_mask,
+                                                                     full.loss_mask, full.scores)))
+        # loss_mask (B, T-1): 1 on sampled tokens; prompt, tool observations and padding are 0.
+        chunks = [torch.arange(s, min(s + cfg.mini_batch_size, len(full))) for s in range(0, len(full), cfg.mini_batch_size)]
+        old = ref = None
+        if cfg.num_iterations > 1:  # with one pass, old = current (detached): no extra forward
+            with torch.no_grad():
+                old = torch.zeros_like(full.loss_mask)
+                for idx in chunks:
+                    mb = full.select(idx)
+                    old[idx, : mb.loss_mask.shape[1]] = lm_logprobs(self.model, mb, cfg.temperature)
+        if cfg.beta > 0:
+            ref = torch.zeros_like(full.loss_mask)
+            for idx in chunks:
+                mb = full.select(idx)
+                ref[idx, : mb.loss_mask.shape[1]] = self._ref_logprobs(mb)
+
+        acc = defaultdict(list)
+        for _ in range(cfg.num_iterations):
+            perm = torch.randperm(len(full))
+            for start in range(0, len(full), cfg.mini_batch_size):
+                idx = perm[start:start + cfg.mini_batch_size]
+                mb = full.select(idx)
+                w = mb.loss_mask.shape[1]
+                with self.accelerator.accumulate(self.model):
+                    with self.accelerator.autocast():
+                        logprobs, logits = lm_logprobs(self.model, mb, cfg.temperature, return_logits=True)
+                    mb_old = logprobs.detach() if old is None else old[idx, :w]
+                    loss, st = grpo_loss(logprobs, mb_old, advantages[idx], mb.loss_mask, cfg.epsilon,
+                                         cfg.epsilon_high, cfg.beta, None if ref is None else ref[idx, :w],
+                                         cfg.loss_aggregation)
+                    if not torch.isfinite(loss):
+                        loss = torch.nan_to_num(loss) * 0.0
+                        acc["grpo/nonfinite_losses"].append(1.0)
+                    self.accelerator.backward(loss)
+                    if self.accelerator.sync_gradients and cfg.max_grad_norm is not None:
+                        self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                with torch.no_grad():
+                    entropy = masked_mean(entropy_from_logits(logits[:, :-1].float() / cfg.temperature), mb.loss_mask)
+                acc["grpo/loss"].append(loss.item())
+                acc["grpo/clipfrac"].append(st["clipfrac"].item())
+                acc["grpo/kl"].append(st["kl"].item())
+                acc["grpo/ratio"].append(st["ratio"].item())
+                acc["grpo/entropy"].append(entropy.item())
+        stats = {k: sum(v) / len(v) for k, v in acc.items()}
+        stats.update({
+            "grpo/mean_scores": scores.mean().item(),
+            "grpo/std_scores": scores.std(unbiased=False).item(),
+            "grpo/zero_variance_groups": zero_variance_fraction(scores, cfg.num_generations),
+            "grpo/advantages_abs_mean": advantages.abs().mean().item(),
+            "grpo/learning_rate": self.optimizer.param_groups[0]["lr"],
+            "time/update": time.time() - t0,
+        })
+        self.current_step += 1
+        return stats
+
+    def save_pretrained(self, save_directory: str) -> None:
+        """Write the policy (adapter under LoRA; model + tokenizer otherwise) atomically, refusing NaNs."""
+        from agentrl.models.tiny import save_atomically
+
+        model = self.policy
+        finite_or_raise(model)
+
+        def write(tmp: str) -> None:
+            model.save_pretrained(tmp)
+            if not self.is_peft_model:
+                self.tokenizer.save_pretrained(tmp)
+
+        save_atomically(save_directory, write)

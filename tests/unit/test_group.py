@@ -1,0 +1,50 @@
+"""GRPO / RLOO advantages and the GRPO loss against hand-computed values."""
+
+import pytest
+import torch
+
+from agentrl.algos import group_advantages, grpo_loss, rloo_advantages, zero_variance_fraction
+
+
+def test_group_advantages_hand_computed():
+    scores = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 2.0])  # groups of 2: (1, 0), (0.5, 0.5), (2, 2)
+    adv = group_advantages(scores, 2, eps=0.0)
+    # group 1: mean 0.5, unbiased std sqrt(0.5) -> +-0.5 / 0.7071 = +-0.7071
+    assert torch.allclose(adv[:2], torch.tensor([0.70710678, -0.70710678]))
+    assert torch.all(adv[2:] == 0)  # all-equal groups carry no signal
+    dr = group_advantages(scores, 2, normalize_std=False)
+    assert torch.allclose(dr, torch.tensor([0.5, -0.5, 0.0, 0.0, 0.0, 0.0]))
+    three = group_advantages(torch.tensor([3.0, 0.0, 0.0]), 3, eps=0.0)
+    assert torch.allclose(three, torch.tensor([2.0, -1.0, -1.0]) / 3 ** 0.5)  # std = sqrt(3)
+    assert torch.all(group_advantages(torch.tensor([4.0, -2.0]), 1) == 0)  # groups of one
+
+
+def test_rloo_hand_computed():
+    # (3, 0, 0): 3 - 0 = 3; 0 - 1.5 = -1.5 twice
+    assert torch.allclose(rloo_advantages(torch.tensor([3.0, 0.0, 0.0]), 3), torch.tensor([3.0, -1.5, -1.5]))
+    assert torch.all(rloo_advantages(torch.tensor([1.0, 1.0, 1.0, 1.0]), 2) == 0)
+    assert torch.all(rloo_advantages(torch.tensor([5.0, 1.0]), 1) == 0)
+
+
+def test_zero_variance_fraction_and_bad_shapes():
+    assert zero_variance_fraction(torch.tensor([1.0, 1.0, 0.0, 1.0]), 2) == 0.5
+    with pytest.raises(ValueError, match="divisible"):
+        group_advantages(torch.zeros(5), 2)
+
+
+def test_grpo_loss_hand_computed():
+    logp = torch.log(torch.tensor([[1.5, 1.0], [0.5, 1.0]]))  # ratios with old = 0
+    old = torch.zeros(2, 2)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    adv = torch.tensor([1.0, -1.0])
+    loss, stats = grpo_loss(logp, old, adv, mask, epsilon=0.2)
+    # seq 0: -min(1.5, 1.2) = -1.2 ; -min(1, 1) = -1 ; seq 1: -min(-0.5, -0.8) = 0.8
+    assert loss.item() == pytest.approx((-1.2 - 1.0 + 0.8) / 3)
+    seq_loss, _ = grpo_loss(logp, old, adv, mask, epsilon=0.2, aggregation="sequence_mean")
+    assert seq_loss.item() == pytest.approx(((-1.2 - 1.0) / 2 + 0.8) / 2)
+    assert stats["clipfrac"].item() == pytest.approx(2 / 3)
+    ref = logp.clone()
+    with_kl, st = grpo_loss(logp, old, adv, mask, beta=0.5, ref_logprobs=ref)
+    assert with_kl.item() == pytest.approx(loss.item()) and st["kl"].item() == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        grpo_loss(logp, old, adv, mask, beta=0.1)
