@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.agentrl-installed
 
-.PHONY: install demo test clean
+.PHONY: install demo demo-grpo test clean
 
 $(PY):
 	python3 -m venv .venv
@@ -17,6 +17,9 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	.venv/bin/agentrl quickstart --out runs/quickstart
+
+demo-grpo: $(STAMP)
+	.venv/bin/agentrl grpo --config grpo out_dir=runs/grpo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

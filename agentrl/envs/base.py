@@ -17,6 +17,8 @@ Episode score = sum of turn rewards. PPO puts each turn's reward on the last tok
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -48,6 +50,8 @@ def load_object(spec: str) -> Any:
         module_name, _, attr = spec.rpartition(".")
     if not module_name or not attr:
         raise ValueError(f"cannot load {spec!r}: expected 'package.module:ClassName'")
+    if os.getcwd() not in sys.path:  # so `agentrl ... env.name=my_env:MyEnv` finds ./my_env.py, as python -m would
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
