@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.agentrl-installed
 
-.PHONY: install demo demo-grpo test clean
+.PHONY: install demo demo-grpo demo-dpo test clean
 
 $(PY):
 	python3 -m venv .venv
@@ -20,6 +20,9 @@ demo: $(STAMP)
 
 demo-grpo: $(STAMP)
 	.venv/bin/agentrl grpo --config grpo out_dir=runs/grpo
+
+demo-dpo: $(STAMP)
+	.venv/bin/agentrl dpo --config dpo out_dir=runs/dpo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

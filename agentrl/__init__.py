@@ -7,6 +7,10 @@ The classic TRL 0.11 names are exported here; they are imported lazily so that `
 __version__ = "0.1.0"
 
 _LAZY = {
+    "DPOConfig": "agentrl.trainers.dpo",
+    "DPOTrainer": "agentrl.trainers.dpo",
+    "GRPOConfig": "agentrl.trainers.grpo",
+    "GRPOTrainer": "agentrl.trainers.grpo",
     "PPOConfig": "agentrl.trainers.ppo",
     "PPOTrainer": "agentrl.trainers.ppo",
     "AutoModelForCausalLMWithValueHead": "agentrl.models.value_head",

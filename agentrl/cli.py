@@ -34,6 +34,37 @@ def _cmd_grpo(args) -> int:
     return 0
 
 
+def _cmd_dpo(args) -> int:
+    from agentrl.dpo_pipeline import load_dpo_job, run_dpo_job
+
+    summary = run_dpo_job(load_dpo_job(args.config, args.overrides))
+    _print_summary(summary)
+    print(f"pairs: {summary['pairs']} (ties skipped: {summary['ties_skipped']})")
+    return 0
+
+
+def _cmd_preferences(args) -> int:
+    from agentrl.dpo_pipeline import sample_pairs
+    from agentrl.envs.base import make_env
+    from agentrl.evaluate import load_policy
+    from agentrl.pipeline import load_tasks
+    from agentrl.preferences import write_jsonl
+    from agentrl.rollout.sampling import SamplingParams
+
+    import torch
+
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_policy(args.model, args.adapter)
+    env_kwargs = json.loads(args.env_kwargs) if args.env_kwargs else {}
+    tasks = load_tasks(args.task_source, args.tasks, args.seed, args.split)
+    pairs, ties, rows = sample_pairs(model, tokenizer, lambda: make_env(args.env, env_kwargs), tasks, args.samples,
+                                     SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature))
+    write_jsonl(args.out, rows)
+    print(json.dumps({"tasks": len(tasks), "samples": args.samples, "pairs": len(pairs), "ties_skipped": ties,
+                      "out": args.out}))
+    return 0
+
+
 def _cmd_quickstart(args) -> int:
     from agentrl.pipeline import load_job, run_job
 
@@ -92,6 +123,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="a YAML file, or a shipped config name (grpo)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     p.set_defaults(func=_cmd_grpo)
+
+    p = sub.add_parser("dpo", help="DPO: offline on a pairs file (data=...) or iterative from an environment")
+    p.add_argument("--config", required=True, help="a YAML file, or a shipped config name (dpo)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    p.set_defaults(func=_cmd_dpo)
+
+    p = sub.add_parser("preferences", help="sample K trajectories per task and write best/worst pairs")
+    p.add_argument("--model", required=True)
+    p.add_argument("--adapter", default=None)
+    p.add_argument("--env", default="agentrl.envs:CalculatorEnv")
+    p.add_argument("--env-kwargs", default=None, help="JSON object passed to the environment")
+    p.add_argument("--task-source", default="agentrl.envs:calculator_tasks", help="module:function or .jsonl")
+    p.add_argument("--split", default="train", choices=["train", "eval"])
+    p.add_argument("--tasks", type=int, default=256)
+    p.add_argument("--samples", type=int, default=4, help="trajectories per task (K)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="pairs JSONL to write")
+    p.set_defaults(func=_cmd_preferences)
 
     p = sub.add_parser("quickstart", help="base model -> eval -> PPO -> eval, on the calculator")
     p.add_argument("--out", default="runs/quickstart")

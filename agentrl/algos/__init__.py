@@ -4,6 +4,7 @@ Everything here imports torch and nothing else of agentrl, so it can be read, te
 """
 
 from agentrl.algos.advantages import gae, masked_mean, masked_var, whiten
+from agentrl.algos.dpo import bradley_terry_loss, dpo_loss
 from agentrl.algos.group import group_advantages, grpo_loss, rloo_advantages, zero_variance_fraction
 from agentrl.algos.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from agentrl.algos.losses import entropy_from_logits, ppo_policy_loss, ppo_value_loss
@@ -11,6 +12,8 @@ from agentrl.algos.losses import entropy_from_logits, ppo_policy_loss, ppo_value
 __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
+    "bradley_terry_loss",
+    "dpo_loss",
     "entropy_from_logits",
     "gae",
     "group_advantages",

@@ -1,0 +1,132 @@
+"""The DPO job behind `agentrl dpo` / `make demo-dpo`: offline DPO on a pairs file, or iterative DPO from
+environment feedback (seed 003's 迭代式DPO): rounds of sample -> score -> pair -> DPO."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+from agentrl.config import load_config, to_dict
+from agentrl.pipeline import EnvSection, ModelSection, RolloutSection, load_tasks, resolve_config_path
+from agentrl.trainers.dpo import DPOConfig
+
+
+@dataclass
+class IterativeSection:
+    rounds: int = 3  # sample -> pair -> DPO rounds (ignored when `data` is set)
+    tasks_per_round: int = 256  # tasks sampled per round
+    samples: int = 4  # trajectories per task (K); chosen = best, rejected = worst, ties skipped
+    reference: Literal["previous", "base"] = "previous"  # reference of each round: last round's policy or the base
+    temperature: float = 1.0  # sampling temperature of the rollouts
+
+
+@dataclass
+class DPOJobConfig:
+    data: str | None = None  # a pairs file / datasets dir / name for offline DPO; None: iterative from `env`
+    model: ModelSection = field(default_factory=ModelSection)
+    env: EnvSection = field(default_factory=EnvSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    iterative: IterativeSection = field(default_factory=IterativeSection)
+    out_dir: str = "runs/dpo"  # adapter, pairs, metrics and summary.json go here
+    eval_seed: int = 0  # seed of the held-out draw and of sampled evaluation
+    progress: bool = True  # progress bars
+
+
+def load_dpo_job(path: str | None, overrides: list[str] | None = None) -> DPOJobConfig:
+    return load_config(DPOJobConfig, resolve_config_path(path) if path else None, overrides)
+
+
+def sample_pairs(model, tokenizer, env_factory, tasks: list[dict], samples: int, sampling):
+    """K trajectories per task, scored by the environment -> (pairs, ties, rows for a JSONL file)."""
+    from agentrl.preferences import build_pairs, pair_to_row
+    from agentrl.rollout.engine import rollout
+
+    episodes = rollout(model, tokenizer, env_factory, [t for t in tasks for _ in range(samples)], sampling)
+    pairs, ties = build_pairs(episodes, samples)
+    return pairs, ties, [pair_to_row(b, w, tokenizer) for b, w in pairs]
+
+
+def run_dpo_job(config: DPOJobConfig) -> dict:
+    from peft import LoraConfig, get_peft_model
+
+    from agentrl.envs.base import make_env
+    from agentrl.evaluate import evaluate, load_policy, write_json
+    from agentrl.models.tiny import build_base_model
+    from agentrl.preferences import pair_to_example, write_jsonl
+    from agentrl.rollout.sampling import SamplingParams
+    from agentrl.trainers.common import TaskCycler
+    from agentrl.trainers.dpo import DPOTrainer
+
+    started = time.time()
+    out = Path(config.out_dir)
+    base_dir = config.model.base
+    if base_dir == "embedded":
+        base_dir = str(build_base_model(config.model.base_dir, config.model.builder, progress=config.progress))
+    model, tokenizer = load_policy(base_dir)
+    env_factory = lambda: make_env(config.env.name, config.env.kwargs)  # noqa: E731
+    eval_tasks = load_tasks(config.env.tasks, config.env.eval_tasks, config.eval_seed, "eval")
+    max_new = config.rollout.max_new_tokens
+
+    def both(m):
+        return {"greedy": evaluate(m, tokenizer, env_factory, eval_tasks, True, max_new_tokens=max_new, seed=config.eval_seed),
+                "sampled": evaluate(m, tokenizer, env_factory, eval_tasks, False, config.iterative.temperature,
+                                    max_new_tokens=max_new, seed=config.eval_seed)}
+
+    before = both(model)
+    if config.model.lora:
+        model = get_peft_model(model, LoraConfig(r=config.model.lora_r, lora_alpha=config.model.lora_alpha,
+                                                 lora_dropout=config.model.lora_dropout, bias="none",
+                                                 target_modules=list(config.model.target_modules), task_type="CAUSAL_LM"))
+    dpo_cfg = replace(config.dpo, output_dir=str(out / "adapter"), progress=config.progress)
+    rounds, total_pairs, total_ties, trainer, steps = [], 0, 0, None, 0
+    train_started = time.time()
+    if config.data is not None:
+        trainer = DPOTrainer(model=model, args=dpo_cfg, train_dataset=config.data, tokenizer=tokenizer)
+        trainer.train(metrics_path=str(out / "metrics.jsonl"))
+        total_pairs, steps = len(trainer.examples), trainer.total_steps
+    else:
+        held_out = {t.get("question", str(t)) for t in eval_tasks}
+        train_tasks = [t for t in load_tasks(config.env.tasks, config.env.train_tasks, dpo_cfg.seed, "train")
+                       if t.get("question", str(t)) not in held_out]
+        cycler = TaskCycler(train_tasks, dpo_cfg.seed)
+        sampling = SamplingParams(max_new_tokens=max_new, temperature=config.iterative.temperature,
+                                  top_k=config.rollout.top_k, top_p=config.rollout.top_p)
+        for r in range(config.iterative.rounds):
+            model.eval()
+            pairs, ties, rows = sample_pairs(model, tokenizer, env_factory, cycler.draw(config.iterative.tasks_per_round),
+                                             config.iterative.samples, sampling)
+            write_jsonl(out / f"pairs-round{r}.jsonl", rows)
+            total_pairs, total_ties = total_pairs + len(pairs), total_ties + ties
+            record = {"round": r, "pairs": len(pairs), "ties_skipped": ties,
+                      "mean_chosen_score": sum(b.score for b, _ in pairs) / max(len(pairs), 1),
+                      "mean_rejected_score": sum(w.score for _, w in pairs) / max(len(pairs), 1)}
+            if pairs:
+                # Reference logprobs precomputed by the policy as it is now ("previous") or by the base.
+                round_cfg = replace(dpo_cfg, precompute_ref_log_probs=True,
+                                    reference_with_adapter=config.iterative.reference == "previous")
+                trainer = DPOTrainer(model=model, args=round_cfg, tokenizer=tokenizer,
+                                     train_dataset=[pair_to_example(b, w) for b, w in pairs])
+                history = trainer.train(metrics_path=str(out / f"metrics-round{r}.jsonl"))
+                steps += trainer.total_steps
+                record.update({k: history[-1][k] for k in ("loss", "rewards/accuracies", "rewards/margins")})
+            rounds.append(record)
+    train_seconds = time.time() - train_started
+    adapter_dir = Path(dpo_cfg.output_dir)
+    if trainer is None:
+        raise RuntimeError("no preference pairs were produced in any round; nothing to train on")
+    trainer.save_model(str(adapter_dir))
+    after = both(model)
+    summary = {
+        "before": before["greedy"], "after": after["greedy"],
+        "before_sampled": before["sampled"], "after_sampled": after["sampled"],
+        "algo": "dpo" if config.data else "iterative-dpo", "steps": steps, "ppo_steps": 0,
+        "rounds": rounds, "pairs": total_pairs, "ties_skipped": total_ties,
+        "eval_tasks": len(eval_tasks), "train_seconds": round(train_seconds, 1),
+        "wall_seconds": round(time.time() - started, 1),
+        "base_model_dir": str(base_dir), "adapter_dir": str(adapter_dir), "config": to_dict(config),
+    }
+    write_json(out / "summary.json", summary)
+    return summary

@@ -1,0 +1,191 @@
+"""Preference data: reading {prompt, chosen, rejected} rows, tokenizing them with an assistant-only mask,
+and building pairs from environment rollouts.
+
+Only tokens the assistant produced count in DPO's sequence logprobs: tool / observation text inside a
+trajectory is masked out (TRL's DPO scores it as if the model had written it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentrl.rollout.engine import Episode
+
+
+class PreferenceDataError(ValueError):
+    """A malformed preference row; the message names the file, the row and the field."""
+
+
+@dataclass
+class PreferenceExample:
+    """Token ids after the prompt; masks are 1 on assistant tokens, 0 on tool/observation tokens."""
+
+    prompt_ids: list[int]
+    chosen_ids: list[int]
+    chosen_mask: list[int]
+    rejected_ids: list[int]
+    rejected_mask: list[int]
+    ref_chosen_logp: float | None = None
+    ref_rejected_logp: float | None = None
+
+
+def read_preference_rows(source) -> tuple[list[dict], str]:
+    """Rows from a JSONL file, a `datasets` directory (save_to_disk), a Dataset/list, or a `datasets` name."""
+    if isinstance(source, (list, tuple)):
+        return list(source), "<list>"
+    if hasattr(source, "column_names"):  # a datasets.Dataset
+        return [dict(r) for r in source], "<dataset>"
+    path = Path(str(source))
+    if path.suffix == ".jsonl" or path.is_file():
+        from agentrl.data import read_jsonl
+
+        return read_jsonl(path), str(path)
+    import datasets
+
+    ds = datasets.load_from_disk(str(path)) if path.is_dir() else datasets.load_dataset(str(source), split="train")
+    if isinstance(ds, datasets.DatasetDict):
+        ds = ds["train"]
+    return [dict(r) for r in ds], str(source)
+
+
+def _segments(value, field: str, where: str, tokenizer, prompt_messages: list | None) -> list[tuple[str, bool]]:
+    """A completion as (text, is_assistant) segments. Strings are one assistant segment."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise PreferenceDataError(f"{where}: field {field!r} is empty")
+        return [(value, True)]
+    if not isinstance(value, list) or not value:
+        raise PreferenceDataError(f"{where}: field {field!r} must be a non-empty string or list of messages")
+    for k, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
+            raise PreferenceDataError(f"{where}: field {field!r} message {k} needs string 'role' and 'content'")
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in value):
+        raise PreferenceDataError(f"{where}: field {field!r} has no assistant message")
+    if getattr(tokenizer, "chat_template", None) and prompt_messages is not None:
+        # Render growing prefixes with the template; each message's segment is the text it adds.
+        segments, history = [], list(prompt_messages)
+        previous = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        for m in value:
+            history.append(m)
+            text = tokenizer.apply_chat_template(history, tokenize=False)
+            if not text.startswith(previous):
+                raise PreferenceDataError(f"{where}: the chat template rewrites earlier turns; cannot mask by message")
+            segments.append((text[len(previous):], m["role"] == "assistant"))
+            previous = text
+        return segments
+    # No chat template: the trajectory is ReAct text, roles implicit; concatenate the contents.
+    return [(m["content"], m["role"] == "assistant") for m in value]
+
+
+def tokenize_row(row: dict, tokenizer, where: str, max_length: int, max_prompt_length: int) -> PreferenceExample:
+    for field in ("prompt", "chosen", "rejected"):
+        if field not in row:
+            raise PreferenceDataError(f"{where}: missing field {field!r}")
+    prompt = row["prompt"]
+    prompt_messages = None
+    if isinstance(prompt, list):
+        prompt_messages = prompt
+        if getattr(tokenizer, "chat_template", None):
+            prompt_ids = tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
+            prompt_ids = list(prompt_ids["input_ids"] if isinstance(prompt_ids, dict) else prompt_ids)
+        else:
+            prompt_ids = tokenizer("".join(m.get("content", "") for m in prompt))["input_ids"]
+    elif isinstance(prompt, str):
+        if not prompt.strip():
+            raise PreferenceDataError(f"{where}: field 'prompt' is empty")
+        prompt_ids = tokenizer(prompt)["input_ids"]
+    else:
+        raise PreferenceDataError(f"{where}: field 'prompt' must be a string or a list of messages, "
+                                  f"got {type(prompt).__name__}")
+    if len(prompt_ids) > max_prompt_length:
+        raise PreferenceDataError(f"{where}: field 'prompt' is {len(prompt_ids)} tokens, over max_prompt_length="
+                                  f"{max_prompt_length}")
+    budget = max_length - len(prompt_ids)
+    out = []
+    for field in ("chosen", "rejected"):
+        segments = _segments(row[field], field, where, tokenizer, prompt_messages)
+        pieces = tokenizer([t for t, _ in segments], add_special_tokens=False)["input_ids"]
+        ids, mask = [], []
+        for piece, (_, assistant) in zip(pieces, segments):
+            ids += piece
+            mask += [int(assistant)] * len(piece)
+        if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
+            ids.append(tokenizer.eos_token_id)
+            mask.append(1)
+        ids, mask = ids[:budget], mask[:budget]  # truncate the completion, never the prompt
+        if not any(mask):
+            raise PreferenceDataError(f"{where}: field {field!r} has no assistant token within max_length={max_length}")
+        out += [ids, mask]
+    return PreferenceExample(prompt_ids, *out)
+
+
+def load_preferences(source, tokenizer, max_length: int = 512, max_prompt_length: int = 256,
+                     skip_bad_rows: bool = False) -> tuple[list[PreferenceExample], int]:
+    """Tokenized examples and the number of rows skipped (only when `skip_bad_rows`; else the first bad
+    row raises PreferenceDataError naming file, row and field)."""
+    rows, name = read_preference_rows(source)
+    examples, skipped = [], 0
+    for i, row in enumerate(rows, start=1):
+        where = f"{name}: row {i}"
+        try:
+            if not isinstance(row, dict):
+                raise PreferenceDataError(f"{where}: expected an object with prompt/chosen/rejected")
+            examples.append(tokenize_row(row, tokenizer, where, max_length, max_prompt_length))
+        except PreferenceDataError:
+            if not skip_bad_rows:
+                raise
+            skipped += 1
+    if not examples:
+        raise PreferenceDataError(f"{name}: no usable preference rows ({skipped} skipped)")
+    return examples, skipped
+
+
+# --- pairs from an environment --------------------------------------------------------------------------
+
+def episode_messages(ep: Episode, tokenizer) -> list[dict]:
+    """The trajectory after the prompt as messages: runs of sampled tokens are 'assistant', the rest 'tool'."""
+    messages, start = [], 0
+    for j in range(1, len(ep.token_ids) + 1):
+        if j == len(ep.token_ids) or ep.loss_mask[j] != ep.loss_mask[start]:
+            role = "assistant" if ep.loss_mask[start] else "tool"
+            messages.append({"role": role, "content": tokenizer.decode(ep.token_ids[start:j], skip_special_tokens=True)})
+            start = j
+    return messages
+
+
+def build_pairs(episodes: list[Episode], group_size: int) -> tuple[list[tuple[Episode, Episode]], int]:
+    """Consecutive groups of `group_size` episodes of one task -> (best, worst) pairs and the number of
+    groups skipped because every score was equal (a group of one is always such a tie)."""
+    if group_size < 1 or len(episodes) % group_size:
+        raise ValueError(f"{len(episodes)} episodes do not split into groups of {group_size}")
+    pairs, ties = [], 0
+    for start in range(0, len(episodes), group_size):
+        group = episodes[start:start + group_size]
+        best = max(group, key=lambda e: e.score)
+        worst = min(group, key=lambda e: e.score)
+        if best.score == worst.score:
+            ties += 1
+            continue
+        pairs.append((best, worst))
+    return pairs, ties
+
+
+def pair_to_example(best: Episode, worst: Episode) -> PreferenceExample:
+    """Token-in-token-out: the exact sampled ids, with their masks, no re-tokenization."""
+    return PreferenceExample(best.prompt_ids, best.token_ids, best.loss_mask, worst.token_ids, worst.loss_mask)
+
+
+def pair_to_row(best: Episode, worst: Episode, tokenizer) -> dict:
+    return {"prompt": tokenizer.decode(best.prompt_ids, skip_special_tokens=True),
+            "chosen": episode_messages(best, tokenizer), "rejected": episode_messages(worst, tokenizer),
+            "chosen_score": best.score, "rejected_score": worst.score}
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)

@@ -1,0 +1,266 @@
+"""DPO (and IPO, hinge, conservative DPO) with an assistant-only mask, TRL-style API.
+
+    DPOTrainer(model=model, ref_model=None, args=training_args, train_dataset=dataset, tokenizer=tokenizer,
+               beta=0.1, max_length=512, max_prompt_length=256).train()
+
+`args` may be a `transformers.TrainingArguments` or a `DPOConfig`. Under LoRA with `ref_model=None` the
+reference is the adapter-disabled base (no second copy); `precompute_ref_log_probs` computes reference
+logprobs once, before training, and keeps no reference model at all.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from agentrl.algos.dpo import dpo_loss
+from agentrl.preferences import PreferenceExample, load_preferences
+from agentrl.trainers.common import MetricsLog, build_batch, finite_or_raise, lm_logprobs, progress_bar
+
+
+@dataclass
+class DPOConfig:
+    """The TrainingArguments fields DPO uses, plus DPO's own. Unknown TrainingArguments fields are ignored."""
+
+    output_dir: str = "runs/dpo"  # where save_model() writes by default
+    per_device_train_batch_size: int = 8  # preference pairs per forward
+    gradient_accumulation_steps: int = 1  # forwards per optimizer step
+    learning_rate: float = 5e-5  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_epsilon: float = 1e-8  # AdamW epsilon
+    num_train_epochs: float = 1.0  # passes over the pairs (ignored when max_steps > 0)
+    max_steps: int = -1  # optimizer steps; > 0 overrides num_train_epochs
+    warmup_steps: int = 0  # linear warm-up steps
+    lr_scheduler_type: str = "linear"  # a transformers scheduler name
+    max_grad_norm: float = 1.0  # gradient-norm clip
+    logging_steps: int = 10  # log every this many optimizer steps
+    save_steps: int = 0  # also checkpoint every this many steps (0: only save_model)
+    seed: int = 42  # random seed
+    fp16: bool = False  # fp16 mixed precision (needs a CUDA GPU)
+    bf16: bool = False  # bf16 mixed precision
+    gradient_checkpointing: bool = False  # activation checkpointing on the model
+    report_to: str | list | None = None  # accelerate tracker(s); "none" or None: no tracker
+    beta: float = 0.1  # strength of the implicit KL to the reference
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"  # which preference loss
+    label_smoothing: float = 0.0  # conservative / robust DPO: assumed label-noise rate
+    max_length: int = 512  # prompt + completion tokens (completions are truncated)
+    max_prompt_length: int = 256  # longer prompts are a data error
+    precompute_ref_log_probs: bool = False  # reference logprobs once up front; no reference model kept
+    reference_with_adapter: bool = False  # with precompute under LoRA: reference = the policy as it is now
+    # (adapter on: iterative DPO against the previous round) instead of the adapter-disabled base
+    skip_bad_rows: bool = False  # skip (and count) malformed rows instead of raising
+    progress: bool = True  # progress bar
+
+    @classmethod
+    def from_args(cls, args) -> "DPOConfig":
+        if args is None:
+            return cls()
+        if isinstance(args, cls):
+            return copy.copy(args)
+        names = {f.name for f in fields(cls)}
+        values = {n: getattr(args, n) for n in names if hasattr(args, n)}
+        if isinstance(values.get("report_to"), list) and values["report_to"] in ([], ["none"]):
+            values["report_to"] = None
+        return cls(**values)
+
+
+class DPOTrainer:
+    def __init__(self, model=None, ref_model=None, args=None, train_dataset=None, eval_dataset=None, tokenizer=None,
+                 processing_class=None, peft_config=None, **overrides):
+        tokenizer = tokenizer or processing_class
+        if model is None or tokenizer is None or train_dataset is None:
+            raise ValueError("DPOTrainer needs model, tokenizer and train_dataset")
+        config = DPOConfig.from_args(args)
+        unknown = set(overrides) - {f.name for f in fields(DPOConfig)}
+        if unknown:
+            raise TypeError(f"DPOTrainer got unexpected arguments {sorted(unknown)}")
+        for key, value in overrides.items():
+            if value is not None:
+                setattr(config, key, value)
+        self.config = config
+        if config.fp16 and not torch.cuda.is_available():
+            raise ValueError("fp16=True needs a CUDA GPU and none is available; set fp16=False (or bf16=True)")
+        if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+            if not torch.cuda.is_available():
+                raise ValueError("4-/8-bit quantized models need a CUDA GPU; load the model without load_in_4bit")
+        set_seed(config.seed)
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
+        self.is_peft_model = hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+        if config.gradient_checkpointing:
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable()
+            else:
+                model.gradient_checkpointing_enable()
+            if self.is_peft_model:
+                model.enable_input_require_grads()
+        self.tokenizer = tokenizer
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token  # masks never come from pad ids
+        if isinstance(train_dataset, list) and train_dataset and isinstance(train_dataset[0], PreferenceExample):
+            self.examples, self.skipped_rows = list(train_dataset), 0
+        else:
+            self.examples, self.skipped_rows = load_preferences(train_dataset, tokenizer, config.max_length,
+                                                                config.max_prompt_length, config.skip_bad_rows)
+        report = config.report_to if config.report_to not in ("none", [], None) else None
+        mixed = "fp16" if config.fp16 else "bf16" if config.bf16 else "no"
+        self.accelerator = Accelerator(gradient_accumulation_steps=config.gradient_accumulation_steps,
+                                       mixed_precision=mixed, log_with=report)
+        self.ref_model = None
+        if ref_model is not None:
+            self.ref_model = ref_model.eval().requires_grad_(False)
+        elif not self.is_peft_model and not config.precompute_ref_log_probs:
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay,
+                                           eps=config.adam_epsilon)
+        self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
+        if self.ref_model is not None:
+            self.ref_model.to(self.accelerator.device)
+        if config.precompute_ref_log_probs:
+            self._precompute_reference()
+        self.metrics_log = MetricsLog(None)
+        self.history: list[dict] = []
+
+    # --- sequence logprobs ------------------------------------------------------------------------------
+
+    def _batch(self, examples: list[PreferenceExample]):
+        """One right-padded batch: chosen rows first, then rejected rows. loss_mask = assistant tokens only."""
+        rows = []
+        for side in ("chosen", "rejected"):
+            for ex in examples:
+                ids, mask = getattr(ex, f"{side}_ids"), getattr(ex, f"{side}_mask")
+                rows.append((ex.prompt_ids + ids, [0] * len(ex.prompt_ids) + list(mask), []))
+        batch = build_batch(rows, self.tokenizer.pad_token_id)
+        return type(batch)(*(x.to(self.accelerator.device) for x in (batch.input_ids, batch.attention_mask,
+                                                                      batch.loss_mask, batch.scores)))
+
+    def sequence_logps(self, model, examples: list[PreferenceExample]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed logprobs of assistant tokens: (chosen (B,), rejected (B,))."""
+        batch = self._batch(examples)
+        logps = (lm_logprobs(model, batch, 1.0) * batch.loss_mask).sum(-1)
+        return logps[: len(examples)], logps[len(examples):]
+
+    @torch.no_grad()
+    def reference_logps(self, examples: list[PreferenceExample]) -> tuple[torch.Tensor, torch.Tensor]:
+        if all(ex.ref_chosen_logp is not None for ex in examples):
+            dev = self.accelerator.device
+            return (torch.tensor([ex.ref_chosen_logp for ex in examples], device=dev),
+                    torch.tensor([ex.ref_rejected_logp for ex in examples], device=dev))
+        if self.ref_model is not None:
+            return self.sequence_logps(self.ref_model, examples)
+        if self.is_peft_model:
+            with self.accelerator.unwrap_model(self.model).disable_adapter():
+                return self.sequence_logps(self.model, examples)
+        raise RuntimeError("no reference: pass ref_model, use LoRA, or precompute_ref_log_probs")
+
+    @torch.no_grad()
+    def _precompute_reference(self) -> None:
+        """Reference logprobs of every pair, computed once by the model as it is now (the adapter disabled
+        under LoRA when no ref_model is given). Afterwards no reference model is needed."""
+        self.model.eval()
+        size = self.config.per_device_train_batch_size
+        for start in range(0, len(self.examples), size):
+            chunk = [ex for ex in self.examples[start:start + size] if ex.ref_chosen_logp is None]
+            if not chunk:
+                continue
+            if self.ref_model is not None:
+                c, r = self.sequence_logps(self.ref_model, chunk)
+            elif self.is_peft_model and not self.config.reference_with_adapter:
+                with self.accelerator.unwrap_model(self.model).disable_adapter():
+                    c, r = self.sequence_logps(self.model, chunk)
+            else:
+                c, r = self.sequence_logps(self.model, chunk)
+            for ex, lc, lr in zip(chunk, c.tolist(), r.tolist()):
+                ex.ref_chosen_logp, ex.ref_rejected_logp = lc, lr
+
+    # --- training ---------------------------------------------------------------------------------------
+
+    def train(self, metrics_path: str | None = None) -> list[dict]:
+        from transformers import get_scheduler
+
+        cfg = self.config
+        self.metrics_log = MetricsLog(metrics_path) if metrics_path else self.metrics_log
+        size, accum = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+        per_epoch = max(1, math.ceil(len(self.examples) / size) // accum)
+        total = cfg.max_steps if cfg.max_steps > 0 else max(1, int(per_epoch * cfg.num_train_epochs))
+        scheduler = get_scheduler(cfg.lr_scheduler_type, self.optimizer, cfg.warmup_steps, total)
+        self.total_steps = total
+        rng = random.Random(cfg.seed)
+        bar = progress_bar(total, "DPO", cfg.progress)
+        # Dropout off: the reference is the same network, and DPO's implicit reward compares the two.
+        self.model.eval()
+        step, acc, order, started = 0, defaultdict(list), [], time.time()
+        while step < total:
+            for _ in range(accum):
+                if len(order) < size:
+                    fresh = list(range(len(self.examples)))
+                    rng.shuffle(fresh)
+                    order += fresh
+                batch = [self.examples[i] for i in order[:size]]
+                del order[:size]
+                with self.accelerator.accumulate(self.model):
+                    ref_c, ref_r = self.reference_logps(batch)
+                    with self.accelerator.autocast():
+                        pol_c, pol_r = self.sequence_logps(self.model, batch)
+                    losses, rc, rr = dpo_loss(pol_c, pol_r, ref_c, ref_r, cfg.beta, cfg.loss_type, cfg.label_smoothing)
+                    loss = losses.mean()
+                    if not torch.isfinite(loss):
+                        loss = torch.nan_to_num(loss) * 0.0
+                        acc["nonfinite_losses"].append(1.0)
+                    self.accelerator.backward(loss)
+                    if self.accelerator.sync_gradients and cfg.max_grad_norm:
+                        self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                acc["loss"].append(loss.item())
+                acc["rewards/chosen"].append(rc.mean().item())
+                acc["rewards/rejected"].append(rr.mean().item())
+                acc["rewards/accuracies"].append((rc > rr).float().mean().item())
+                acc["rewards/margins"].append((rc - rr).mean().item())
+                acc["logps/chosen"].append(pol_c.detach().mean().item())
+                acc["logps/rejected"].append(pol_r.detach().mean().item())
+            scheduler.step()
+            step += 1
+            if step % cfg.logging_steps == 0 or step == total:
+                row = {k: sum(v) / len(v) for k, v in acc.items()}
+                row.update({"step": step, "learning_rate": scheduler.get_last_lr()[0],
+                            "skipped_rows": self.skipped_rows, "elapsed": time.time() - started})
+                self.history.append(row)
+                self.metrics_log.write(row)
+                if self.accelerator.trackers:
+                    self.accelerator.log(row, step=step)
+                acc = defaultdict(list)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['rewards/accuracies']:.2f}")
+            if cfg.save_steps and step % cfg.save_steps == 0:
+                self.save_model(f"{cfg.output_dir}/checkpoint-{step}")
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        return self.history
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """Adapter (under LoRA) or model + tokenizer, written atomically; refuses non-finite weights."""
+        from agentrl.models.tiny import save_atomically
+
+        model = self.accelerator.unwrap_model(self.model)
+        finite_or_raise(model)
+
+        def write(tmp: str) -> None:
+            model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+
+        save_atomically(output_dir or self.config.output_dir, write)
