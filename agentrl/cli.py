@@ -65,6 +65,36 @@ def _cmd_preferences(args) -> int:
     return 0
 
 
+def _cmd_reward_model(args) -> int:
+    from agentrl.reward_model import load_reward_config, train_reward_model
+
+    meta = train_reward_model(load_reward_config(args.config, args.overrides))
+    print(json.dumps(meta, indent=2))
+    return 0
+
+
+def _cmd_compare(args) -> int:
+    from agentrl.compare import compare
+    from agentrl.envs.base import make_env
+    from agentrl.pipeline import load_tasks
+
+    env_kwargs = json.loads(args.env_kwargs) if args.env_kwargs else {}
+    tasks = load_tasks(args.task_source, args.tasks, args.seed, "eval")
+    result = compare(args.a, args.b, lambda: make_env(args.env, env_kwargs), tasks, args.judge, greedy=not args.sample,
+                     max_new_tokens=args.max_new_tokens, seed=args.seed)
+    low, high = result["ci95"]
+    print(f"A: {args.a}\nB: {args.b}\njudge: {args.judge}, {result['n']} tasks")
+    print(f"A wins {result['wins']}, ties {result['ties']}, losses {result['losses']}; "
+          f"win-rate of A {result['win_rate']:.3f} (95% CI {low:.3f}-{high:.3f})")
+    for s in result["samples"]:
+        print(f"\n{s['task']}\n  A ({s['score_a']:+.2f}): {s['a']!r}\n  B ({s['score_b']:+.2f}): {s['b']!r}")
+    if args.out:
+        from agentrl.evaluate import write_json
+
+        write_json(args.out, result)
+    return 0
+
+
 def _cmd_quickstart(args) -> int:
     from agentrl.pipeline import load_job, run_job
 
@@ -143,6 +173,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="pairs JSONL to write")
     p.set_defaults(func=_cmd_preferences)
+
+    p = sub.add_parser("reward-model", help="train a Bradley-Terry reward model from preference pairs")
+    p.add_argument("--config", default=None, help="a YAML file of RewardModelConfig fields")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.set_defaults(func=_cmd_reward_model)
+
+    p = sub.add_parser("compare", help="win-rate of model A against model B on the same tasks and seeds")
+    p.add_argument("--a", required=True, help="MODEL_DIR or MODEL_DIR:ADAPTER_DIR")
+    p.add_argument("--b", required=True, help="MODEL_DIR or MODEL_DIR:ADAPTER_DIR")
+    p.add_argument("--env", default="agentrl.envs:CalculatorEnv")
+    p.add_argument("--env-kwargs", default=None, help="JSON object passed to the environment")
+    p.add_argument("--task-source", default="agentrl.envs:calculator_tasks", help="module:function or .jsonl")
+    p.add_argument("--tasks", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--judge", default="env", help="env, or reward-model:PATH")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--out", default=None, help="also write the result to this JSON file")
+    p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("quickstart", help="base model -> eval -> PPO -> eval, on the calculator")
     p.add_argument("--out", default="runs/quickstart")

@@ -46,6 +46,14 @@ class RolloutSection:
 
 
 @dataclass
+class RewardSection:
+    models: list[str] = field(default_factory=list)  # reward-model directories (agentrl reward-model); empty: env only
+    weight: float = 1.0  # weight of the (combined) reward-model score
+    env_weight: float = 1.0  # weight of the environment's score (0: reward models instead of the environment)
+    combine: Literal["mean", "min"] = "mean"  # how several reward models are combined
+
+
+@dataclass
 class JobConfig:
     algo: Literal["ppo", "grpo"] = "ppo"  # which trainer runs; its section (ppo or grpo) configures it
     model: ModelSection = field(default_factory=ModelSection)
@@ -53,6 +61,7 @@ class JobConfig:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    reward: RewardSection = field(default_factory=RewardSection)
     steps: int = 60  # training steps (each of ppo.batch_size, or grpo.tasks_per_step * num_generations, episodes)
     out_dir: str = "runs/ppo"  # adapter, metrics.jsonl and summary.json go here
     eval_seed: int = 0  # seed of the held-out task draw and of sampled evaluation
@@ -123,9 +132,15 @@ def run_job(config: JobConfig) -> dict:
         trainer = GRPOTrainer(config.grpo, model, tokenizer)
     sampling = SamplingParams(max_new_tokens=max_new, temperature=algo_config.temperature,
                               top_k=config.rollout.top_k, top_p=config.rollout.top_p)
+    score_hook = None
+    if config.reward.models:
+        from agentrl.reward_model import RewardModelScorer
+
+        score_hook = RewardModelScorer(config.reward.models, tokenizer, config.reward.weight,
+                                       config.reward.env_weight, config.reward.combine)
     ppo_started = time.time()
-    trainer.train(env_factory, train_tasks, steps=config.steps,
-                  sampling=sampling, metrics_path=str(out / "metrics.jsonl"), progress=config.progress)
+    trainer.train(env_factory, train_tasks, steps=config.steps, sampling=sampling,
+                  metrics_path=str(out / "metrics.jsonl"), progress=config.progress, score_hook=score_hook)
     ppo_seconds = time.time() - ppo_started
     adapter_dir = out / ("adapter" if config.model.lora else "model")
     trainer.save_pretrained(str(adapter_dir))

@@ -14,3 +14,11 @@ def tiny_base(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("base") / "model"
     return str(build_base_model(out, BaseModelConfig(steps=40, batch_size=32, warmup_steps=5), progress=False))
+
+
+@pytest.fixture(scope="session")
+def embedded_base(tmp_path_factory):
+    """The full-size embedded base model, as `make demo` builds it (about 100 s, once per session)."""
+    from agentrl.models.tiny import BaseModelConfig, build_base_model
+
+    return str(build_base_model(tmp_path_factory.mktemp("embedded") / "model", BaseModelConfig(), progress=False))

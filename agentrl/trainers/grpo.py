@@ -101,7 +101,8 @@ class GRPOTrainer:
 
     def train(self, env_factory: Callable, tasks: list[dict], steps: int | None = None,
               sampling: SamplingParams | None = None, metrics_path: str | None = None,
-              callback: Callable[[int, dict], None] | None = None, progress: bool = True) -> list[dict]:
+              callback: Callable[[int, dict], None] | None = None, progress: bool = True,
+              score_hook: Callable[[list[Episode]], None] | None = None) -> list[dict]:
         """`steps` steps; each rolls out `num_generations` episodes for each of `tasks_per_step` tasks."""
         cfg = self.config
         steps = steps or cfg.steps
@@ -116,6 +117,8 @@ class GRPOTrainer:
             batch_tasks = [t for t in cycler.draw(cfg.tasks_per_step) for _ in range(cfg.num_generations)]
             started = time.time()
             episodes = rollout(self.policy, self.tokenizer, env_factory, batch_tasks, sampling)
+            if score_hook is not None:  # e.g. reward models adding to the environment's scores
+                score_hook(episodes)
             stats = self._update(episodes)
             stats.update(episode_metrics(episodes))
             stats["time/rollout"] = time.time() - started - stats["time/update"]

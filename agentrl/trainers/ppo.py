@@ -356,7 +356,8 @@ class PPOTrainer:
 
     def train(self, env_factory: Callable, tasks: list[dict], steps: int | None = None,
               sampling: SamplingParams | None = None, metrics_path: str | None = None,
-              callback: Callable[[int, dict], None] | None = None, progress: bool = True) -> list[dict]:
+              callback: Callable[[int, dict], None] | None = None, progress: bool = True,
+              score_hook: Callable[[list[Episode]], None] | None = None) -> list[dict]:
         """Run `steps` PPO steps of `batch_size` episodes each on tasks drawn from `tasks`.
 
         env_factory: a class or callable returning a fresh environment (see agentrl.envs.base). Only the
@@ -374,6 +375,8 @@ class PPOTrainer:
             batch_tasks = cycler.draw(self.config.batch_size)
             started = time.time()
             episodes = rollout(self.policy, self.tokenizer, env_factory, batch_tasks, sampling)
+            if score_hook is not None:  # e.g. reward models adding to the environment's scores
+                score_hook(episodes)
             rollout_seconds = time.time() - started
             stats = self._update(episodes_to_batch(episodes, self.tokenizer.pad_token_id,
                                                    self.config.missing_eos_penalty))

@@ -9,8 +9,14 @@ from agentrl.trainers.ppo import PPOConfig
 
 @pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
-    config = load_config(JobConfig, path)
-    assert config.ppo.batch_size % config.ppo.backward_batch_size == 0
+    from agentrl.dpo_pipeline import DPOJobConfig
+    from agentrl.reward_model import RewardModelConfig
+
+    cls = {"dpo": DPOJobConfig, "reward-model": RewardModelConfig}.get(path.stem, JobConfig)
+    config = load_config(cls, path)
+    if cls is JobConfig:
+        assert config.ppo.batch_size % config.ppo.backward_batch_size == 0
+        assert config.algo in ("ppo", "grpo")
 
 
 def test_overrides_and_errors(tmp_path):

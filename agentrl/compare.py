@@ -1,0 +1,70 @@
+"""Pairwise comparison of two policies on the same tasks and seeds (seed 003's before/after win-rate)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def parse_spec(spec: str) -> tuple[str, str | None]:
+    """"MODEL_DIR" or "MODEL_DIR:ADAPTER_DIR"."""
+    model, _, adapter = spec.partition(":")
+    return model, adapter or None
+
+
+def wilson_interval(wins: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval for a proportion wins / n (ties count half in `wins`)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = wins / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def count_outcomes(scores_a: list[float], scores_b: list[float]) -> dict:
+    """Wins, ties and losses of A against B, the win-rate (ties count half) and its 95% interval."""
+    if len(scores_a) != len(scores_b):
+        raise ValueError(f"{len(scores_a)} scores for A but {len(scores_b)} for B")
+    wins = sum(a > b for a, b in zip(scores_a, scores_b))
+    losses = sum(a < b for a, b in zip(scores_a, scores_b))
+    ties = len(scores_a) - wins - losses
+    n = len(scores_a)
+    rate = (wins + 0.5 * ties) / n if n else 0.0
+    low, high = wilson_interval(wins + 0.5 * ties, n)
+    return {"wins": wins, "ties": ties, "losses": losses, "n": n, "win_rate": rate, "ci95": [low, high]}
+
+
+def compare(spec_a: str, spec_b: str, env_factory, tasks: list[dict], judge: str = "env", greedy: bool = True,
+            temperature: float = 1.0, max_new_tokens: int = 48, seed: int = 0, show: int = 3) -> dict:
+    from agentrl.evaluate import load_policy
+    from agentrl.rollout.engine import rollout
+    from agentrl.rollout.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=not greedy)
+    runs = []
+    for spec in (spec_a, spec_b):
+        model, tokenizer = load_policy(*parse_spec(spec))
+        episodes = rollout(model, tokenizer, env_factory, tasks, params, generator=torch.Generator().manual_seed(seed))
+        runs.append((episodes, tokenizer))
+    if judge == "env":
+        scores = [[ep.score for ep in eps] for eps, _ in runs]
+    elif judge.startswith("reward-model:"):
+        from agentrl.reward_model import RewardModelScorer
+
+        scores = []
+        for eps, tok in runs:
+            scorer = RewardModelScorer([judge.removeprefix("reward-model:")], tok, weight=1.0, env_weight=0.0)
+            scorer(eps)
+            scores.append([ep.info["reward_model_score"] for ep in eps])
+    else:
+        raise ValueError(f"judge must be 'env' or 'reward-model:PATH', got {judge!r}")
+    result = count_outcomes(*scores)
+    result["judge"] = judge
+    result["samples"] = [
+        {"task": tasks[i].get("question", str(tasks[i])),
+         "a": runs[0][1].decode(runs[0][0][i].token_ids, skip_special_tokens=True), "score_a": scores[0][i],
+         "b": runs[1][1].decode(runs[1][0][i].token_ids, skip_special_tokens=True), "score_b": scores[1][i]}
+        for i in range(min(show, len(tasks)))]
+    return result
