@@ -11,6 +11,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
@@ -25,18 +26,26 @@ META_FILE = "agentrl_reward_model.json"
 
 
 class RewardModel(nn.Module):
-    """backbone + Linear(hidden, 1) on the last real token; head init std 1/sqrt(d+1) (Huang et al. 2024)."""
+    """backbone + Linear(hidden, 1) on the last real token; head init std 1/sqrt(d+1) (Huang et al. 2024).
 
-    def __init__(self, backbone: nn.Module):
+    With `sequence_classification`, the backbone is an `AutoModelForSequenceClassification` (num_labels=1)
+    whose own score head is used and the extra head stays unused.
+    """
+
+    def __init__(self, backbone: nn.Module, sequence_classification: bool = False):
         super().__init__()
-        self.backbone = backbone
+        self.backbone, self.sequence_classification = backbone, sequence_classification
         hidden = backbone.config.hidden_size
         self.head = nn.Linear(hidden, 1)
         nn.init.normal_(self.head.weight, std=1.0 / (hidden + 1) ** 0.5)
         nn.init.zeros_(self.head.bias)
+        if sequence_classification:
+            self.head.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(B, T) right-padded -> scores (B,)."""
+        if self.sequence_classification:
+            return self.backbone(input_ids=input_ids, attention_mask=attention_mask).logits.float().squeeze(-1)
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                             position_ids=position_ids(attention_mask), output_hidden_states=True)
         last = attention_mask.sum(-1) - 1
@@ -63,6 +72,12 @@ class RewardModel(nn.Module):
                   str(Path(directory) / HEAD_FILE))
 
 
+def _auto_class(sequence_classification: bool):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification if sequence_classification else AutoModelForCausalLM
+
+
 def load_reward_model(path: str) -> tuple[RewardModel, object]:
     """(reward model, tokenizer) from a directory written by `agentrl reward-model`."""
     from safetensors.torch import load_file
@@ -74,13 +89,16 @@ def load_reward_model(path: str) -> tuple[RewardModel, object]:
         raise FileNotFoundError(f"{path} is not a reward model directory (no {META_FILE})")
     meta = json.loads(meta_path.read_text())
     tokenizer = AutoTokenizer.from_pretrained(path)
+    seq_cls = meta.get("kind") == "sequence-classification"
+    auto = _auto_class(seq_cls)
+    kwargs = {"num_labels": 1, "pad_token_id": tokenizer.pad_token_id} if seq_cls else {}
     if meta["lora"]:
         from peft import PeftModel
 
-        backbone = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(meta["base"]), path)
+        backbone = PeftModel.from_pretrained(auto.from_pretrained(meta["base"], **kwargs), path)
     else:
-        backbone = AutoModelForCausalLM.from_pretrained(path)
-    model = RewardModel(backbone)
+        backbone = auto.from_pretrained(path, **kwargs)
+    model = RewardModel(backbone, seq_cls)
     model.head.load_state_dict(load_file(str(path / HEAD_FILE)))
     return model.eval(), tokenizer
 
@@ -89,6 +107,8 @@ def load_reward_model(path: str) -> tuple[RewardModel, object]:
 class RewardModelConfig:
     data: str = "runs/dpo/pairs-round0.jsonl"  # preference pairs (JSONL, datasets dir or name)
     base: str = "runs/base-model"  # backbone model directory
+    kind: Literal["value-head", "sequence-classification"] = "value-head"  # scalar head on a causal LM, or
+    # AutoModelForSequenceClassification(num_labels=1)
     out_dir: str = "runs/reward-model"  # where the reward model is saved
     lora: bool = True  # LoRA on the backbone (head always trained); False: full fine-tuning
     lora_r: int = 16  # LoRA rank
@@ -115,7 +135,7 @@ def pairwise_accuracy(model: RewardModel, examples: list[PreferenceExample], pad
 
 def train_reward_model(config: RewardModelConfig) -> dict:
     """Train on (1 - eval_fraction) of the pairs, report pairwise accuracy on the rest, save atomically."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from agentrl.models.tiny import save_atomically
 
@@ -126,13 +146,17 @@ def train_reward_model(config: RewardModelConfig) -> dict:
     rng.shuffle(examples)
     n_eval = max(1, int(len(examples) * config.eval_fraction)) if len(examples) > 1 else 0
     held_out, train = examples[:n_eval], examples[n_eval:]
-    backbone = AutoModelForCausalLM.from_pretrained(config.base)
+    seq_cls = config.kind == "sequence-classification"
+    kwargs = {"num_labels": 1, "pad_token_id": tokenizer.pad_token_id} if seq_cls else {}
+    backbone = _auto_class(seq_cls).from_pretrained(config.base, **kwargs)
     if config.lora:
         from peft import LoraConfig, get_peft_model
 
+        # the classification head ("score") must train too
         backbone = get_peft_model(backbone, LoraConfig(r=config.lora_r, lora_alpha=2 * config.lora_r,
-                                                       target_modules=list(config.target_modules)))
-    model = RewardModel(backbone).eval()  # eval: dropout off
+                                                       target_modules=list(config.target_modules),
+                                                       modules_to_save=["score"] if seq_cls else None))
+    model = RewardModel(backbone, seq_cls).eval()  # eval: dropout off
     pad = tokenizer.pad_token_id
     before = pairwise_accuracy(model, held_out, pad) if held_out else None
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate)
@@ -163,7 +187,7 @@ def train_reward_model(config: RewardModelConfig) -> dict:
         bar.close()
     after = pairwise_accuracy(model, held_out, pad) if held_out else None
     finite_or_raise(model)
-    meta = {"base": str(config.base), "lora": config.lora, "train_pairs": len(train), "eval_pairs": len(held_out),
+    meta = {"base": str(config.base), "lora": config.lora, "kind": config.kind, "train_pairs": len(train), "eval_pairs": len(held_out),
             "skipped_rows": skipped, "eval_accuracy_before": before, "eval_accuracy": after,
             "train_seconds": round(time.time() - started, 1)}
     save_atomically(config.out_dir, lambda d: (model.save_pretrained(d), tokenizer.save_pretrained(d),

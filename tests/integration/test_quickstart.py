@@ -21,7 +21,7 @@ def test_one_round_of_iterative_dpo_teaches_it_too(embedded_base, tmp_path):
     from agentrl.dpo_pipeline import load_dpo_job, run_dpo_job
 
     job = load_dpo_job("dpo", [f"out_dir={tmp_path / 'dpo'}", f"model.base={embedded_base}", "iterative.rounds=1",
-                               "iterative.tasks_per_round=128", "env.eval_tasks=100", "progress=false"])
+                               "iterative.tasks_per_round=256", "env.eval_tasks=100", "progress=false"])
     summary = run_dpo_job(job)
     assert summary["pairs"] > 50 and summary["rounds"][0]["rewards/accuracies"] > 0.8
     assert summary["after"]["tool_call_rate"] > summary["before"]["tool_call_rate"] + 0.4

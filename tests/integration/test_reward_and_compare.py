@@ -42,6 +42,18 @@ def test_reward_model_beats_chance_and_scores_ppo(tiny_base, tmp_path):
     assert (out / "summary.json").exists()
 
 
+def test_sequence_classification_reward_model(tiny_base, tmp_path):
+    from agentrl.reward_model import RewardModelConfig, load_reward_model, train_reward_model
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in separable_pairs(40)))
+    meta = train_reward_model(RewardModelConfig(data=str(data), base=tiny_base, out_dir=str(tmp_path / "rm"), epochs=4,
+                                                learning_rate=3e-3, kind="sequence-classification", progress=False))
+    assert meta["eval_accuracy"] > 0.6
+    model, _ = load_reward_model(str(tmp_path / "rm"))
+    assert model.sequence_classification
+
+
 def test_compare_counts_and_interval():
     result = count_outcomes([1.0, 0.2, -1.0, 1.0], [0.2, 0.2, 1.0, -1.0])
     assert (result["wins"], result["ties"], result["losses"], result["n"]) == (2, 1, 1, 4)
