@@ -4,18 +4,25 @@ from agentrl.envs.base import Environment, StepResult, load_object, make_env
 from agentrl.envs.calculator import (CalculatorEnv, MultiStepCalculatorEnv, calculator_demonstration, calculator_tasks,
                                      multistep_demonstration, multistep_tasks)
 from agentrl.envs.safe_eval import CalculatorError, safe_eval
+from agentrl.envs.search import SearchEnv, search_tasks
+from agentrl.envs.tools import ToolEnv, parse_hermes_tool_calls, tool_schema
 
 __all__ = [
     "CalculatorEnv",
     "CalculatorError",
     "Environment",
     "MultiStepCalculatorEnv",
+    "SearchEnv",
     "StepResult",
+    "ToolEnv",
     "calculator_demonstration",
     "calculator_tasks",
     "load_object",
     "make_env",
     "multistep_demonstration",
     "multistep_tasks",
+    "parse_hermes_tool_calls",
     "safe_eval",
+    "search_tasks",
+    "tool_schema",
 ]

@@ -59,6 +59,10 @@ def rollout(
 
 def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator) -> list[Episode]:
     envs = [env_factory() for _ in tasks]
+    for env in envs:
+        if hasattr(env, "bind_tokenizer"):  # environments that render through the tokenizer (chat format)
+            env.bind_tokenizer(tokenizer)
+    eos_ends = getattr(envs[0], "eos_ends_episode", True) if envs else True
     episodes = []
     for env, task in zip(envs, tasks):
         prompt = env.reset(task)
@@ -83,8 +87,9 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator) -> l
             result = envs[i].step(action)
             ep.turn_rewards.append(float(result.reward))
             ep.info = result.info
-            # EOS means the model ended the episode, whatever the environment would allow.
-            ep.done = result.done or sample.finish == "eos" or turn == max_turns - 1
+            # EOS ends the episode, whatever the environment would allow, unless the environment says its
+            # turns end with that token (chat templates whose end-of-turn token is the EOS).
+            ep.done = result.done or (sample.finish == "eos" and eos_ends) or turn == max_turns - 1
             if not ep.done and result.observation:
                 obs_ids = tokenizer(result.observation, add_special_tokens=False)["input_ids"]
                 ep.token_ids += obs_ids
@@ -102,6 +107,8 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
         "env/tool_call_rate": sum(i.get("tool_calls", 0) > 0 for i in info) / n,
         "env/tool_calls_per_episode": sum(i.get("tool_calls", 0) for i in info) / n,
         "env/format_error_rate": sum(i.get("format_errors", 0) > 0 for i in info) / n,
+        "tools/failure_rate": sum(i.get("tool_failures", 0) for i in info) / max(
+            sum(i.get("tool_failures", 0) + i.get("tool_calls", 0) for i in info), 1),
         "env/mean_turns": sum(ep.num_turns for ep in episodes) / n,
         "env/mean_score": sum(ep.score for ep in episodes) / n,
         "env/truncation_rate": sum(ep.truncated for ep in episodes) / n,

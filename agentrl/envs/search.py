@@ -1,0 +1,101 @@
+"""A retrieval environment: a `search(query)` tool over a local collection (BM25 via bm25s).
+
+The shipped collection is synthetic and fictional (made-up countries, capitals, rivers and founders),
+so no model can know an answer without searching. A user's own JSONL collection (`{"text": ...}` rows)
+works the same way; its tasks are `{"question": ..., "answer": ...}` rows.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+from agentrl.data import read_jsonl, split_of
+from agentrl.envs.tools import ToolEnv
+
+_SYLLABLES = ["ka", "lo", "mi", "ren", "tor", "va", "sel", "qu", "dar", "ith", "bel", "nor", "sha", "vin", "el", "mor"]
+_RELATIONS = [
+    ("capital", "The capital of {x} is {y}.", "What is the capital of {x}?"),
+    ("river", "The longest river of {x} is the {y}.", "What is the longest river of {x}?"),
+    ("founder", "{x} was founded by {y}.", "Who founded {x}?"),
+]
+
+
+def _name(rng: random.Random) -> str:
+    return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
+
+
+def synthetic_collection(n_entities: int = 400, seed: int = 0) -> tuple[list[str], list[dict]]:
+    """(documents, tasks): one fact per document, one question per fact, all fictional."""
+    rng, seen = random.Random(f"search-{seed}"), set()
+    docs, tasks = [], []
+    while len(tasks) < n_entities * len(_RELATIONS):
+        x = _name(rng)
+        if x in seen:
+            continue
+        seen.add(x)
+        for _, fact, question in _RELATIONS:
+            y = _name(rng)
+            docs.append(fact.format(x=x, y=y))
+            tasks.append({"question": question.format(x=x), "answer": y})
+    return docs, tasks
+
+
+def search_tasks(n: int, seed: int = 0, split: str = "train") -> list[dict]:
+    """Tasks over the synthetic collection, split by question text (see agentrl.data.split_of)."""
+    _, tasks = synthetic_collection()
+    rows = [t for t in tasks if split_of(t["question"]) == split]
+    random.Random(f"{seed}-{split}").shuffle(rows)
+    return rows[:n]
+
+
+def _normalize(text: str) -> str:
+    return re.sub(r"[^a-z0-9 ]", "", text.lower()).strip()
+
+
+class BM25Index:
+    def __init__(self, documents: list[str]):
+        import bm25s
+
+        if not documents:
+            raise ValueError("the search collection is empty")
+        self.documents = documents
+        self.retriever = bm25s.BM25()
+        self.retriever.index(bm25s.tokenize(documents, show_progress=False), show_progress=False)
+
+    def top(self, query: str, k: int) -> list[str]:
+        import bm25s
+
+        k = min(k, len(self.documents))
+        ids, scores = self.retriever.retrieve(bm25s.tokenize([query], show_progress=False), k=k, show_progress=False)
+        return [self.documents[i] for i, s in zip(ids[0], scores[0]) if s > 0]
+
+
+class SearchEnv(ToolEnv):
+    """Questions answered from the collection: exact match of the final answer plus the format terms."""
+
+    def __init__(self, collection: str | None = None, k: int = 2, format: str = "react", max_turns: int = 3,
+                 rewards: dict | None = None):
+        if collection is None:
+            documents, _ = synthetic_collection()
+        else:
+            path = Path(collection)
+            documents = []
+            for i, row in enumerate(read_jsonl(path), start=1):
+                if not isinstance(row.get("text"), str):
+                    raise ValueError(f"{path}:{i}: a collection row needs a string 'text'")
+                documents.append(row["text"])
+        index = BM25Index(documents)
+
+        def search(query: str) -> str:
+            """Search the document collection.
+
+            Args:
+                query: what to look for, e.g. capital of Veloria
+            """
+            hits = index.top(query, k)
+            return " ".join(hits) if hits else "No results."
+
+        super().__init__([search], check=lambda task, answer: _normalize(answer) == _normalize(task["answer"]),
+                         format=format, max_turns=max_turns, rewards=rewards)
