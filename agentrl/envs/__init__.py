@@ -1,7 +1,7 @@
 """Environments: the protocol, the calculator of the tutorials, and helpers to load a user's own."""
 
 from agentrl.envs.base import Environment, StepResult, load_object, make_env
-from agentrl.envs.calculator import (CalculatorEnv, MultiStepCalculatorEnv, calculator_demonstration, calculator_tasks,
+from agentrl.envs.calculator import (CalculatorEnv, CalculatorToolEnv, calculator, MultiStepCalculatorEnv, calculator_demonstration, calculator_tasks,
                                      multistep_demonstration, multistep_tasks)
 from agentrl.envs.safe_eval import CalculatorError, safe_eval
 from agentrl.envs.search import SearchEnv, search_tasks
@@ -10,6 +10,7 @@ from agentrl.envs.tools import ToolEnv, parse_hermes_tool_calls, tool_schema
 __all__ = [
     "CalculatorEnv",
     "CalculatorError",
+    "CalculatorToolEnv",
     "Environment",
     "MultiStepCalculatorEnv",
     "SearchEnv",

@@ -14,6 +14,7 @@ answer is wrong, -0.5 only malformed tool calls, -1.0 no tool call at all. The a
 from __future__ import annotations
 
 import ast
+import json
 import random
 import re
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from agentrl.data import split_of
 from agentrl.envs.base import StepResult
 from agentrl.envs.safe_eval import CalculatorError, format_number, safe_eval
+from agentrl.envs.tools import ToolEnv
 
 _ACTION_LINE = re.compile(r"^[ \t]*Action:[ \t]*(.*)$", re.MULTILINE)
 _CALL = re.compile(r"^calculator\((.*)\)\s*$")
@@ -226,3 +228,42 @@ def multistep_demonstration(task: dict, complete: bool, rng: random.Random) -> l
         answer = steps[n_calls - 1][1] if rng.random() < 0.5 else _wrong_guess(steps[-1][1], rng)
     segments.append((f"Answer: {answer}", True))
     return segments
+
+
+# --- the same task with a typed tool function and JSON tool calls ----------------------------------------
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: the expression to evaluate, e.g. 123 * 456
+    """
+    return format_number(safe_eval(expression))
+
+
+def numeric_match(task: dict, answer: str) -> bool:
+    """The answer text holds exactly one number and it equals the task's answer."""
+    numbers = _NUMBER.findall(answer)
+    return len(numbers) == 1 and abs(float(numbers[0]) - float(task["answer"])) < 1e-6
+
+
+class CalculatorToolEnv(ToolEnv):
+    """CalculatorEnv's tasks through ToolEnv: `react` text or `chat` (Hermes JSON tool calls)."""
+
+    def __init__(self, format: str = "chat", max_turns: int = 3, rewards: dict | None = None):
+        super().__init__([calculator], check=numeric_match, format=format, max_turns=max_turns, rewards=rewards)
+
+
+def chat_calculator_demonstration(task: dict, use_tool: bool, rng: random.Random) -> list[tuple[str, bool]]:
+    """A chat-format trace exactly as CHATML_TOOLS_TEMPLATE renders it (a test checks the two agree)."""
+    prompt = (f"<|im_start|>system\nTools: calculator(expression)<|im_end|>\n"
+              f"<|im_start|>user\n{task['question']}<|im_end|>\n<|im_start|>assistant\n")
+    if not use_tool:
+        return [(prompt, False), (f"{_wrong_guess(task['answer'], rng)}<|im_end|>", True)]
+    call = json.dumps({"name": "calculator", "arguments": {"expression": task["expression"]}})
+    return [
+        (prompt, False),
+        (f"<tool_call>{call}</tool_call><|im_end|>", True),
+        (f"\n<|im_start|>tool\n{task['answer']}<|im_end|>\n<|im_start|>assistant\n", False),
+        (f"{task['answer']}<|im_end|>", True),
+    ]

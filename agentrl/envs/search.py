@@ -7,6 +7,7 @@ works the same way; its tasks are `{"question": ..., "answer": ...}` rows.
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from pathlib import Path
@@ -42,12 +43,30 @@ def synthetic_collection(n_entities: int = 400, seed: int = 0) -> tuple[list[str
     return docs, tasks
 
 
-def search_tasks(n: int, seed: int = 0, split: str = "train") -> list[dict]:
-    """Tasks over the synthetic collection, split by question text (see agentrl.data.split_of)."""
+def search_tasks(n: int, seed: int = 0, split: str = "train", unique: bool = True) -> list[dict]:
+    """Tasks over the synthetic collection, split by question text (see agentrl.data.split_of).
+    With `unique=False` (SFT corpora) tasks are drawn with replacement."""
     _, tasks = synthetic_collection()
     rows = [t for t in tasks if split_of(t["question"]) == split]
-    random.Random(f"{seed}-{split}").shuffle(rows)
+    rng = random.Random(f"{seed}-{split}")
+    if not unique:
+        return [dict(rng.choice(rows)) for _ in range(n)]
+    rng.shuffle(rows)
     return rows[:n]
+
+
+_SUBJECT = re.compile(r"^(?:What is the |Who founded )(.*)\?$")
+
+
+def search_demonstration(task: dict, use_tool: bool, rng: random.Random) -> list[tuple[str, bool]]:
+    """A react trace that searches the synthetic collection (real BM25 results) or guesses a name."""
+    prompt = f"Question: {task['question']}\n"
+    if not use_tool:
+        return [(prompt, False), (f"Thought: I can answer directly.\nAnswer: {_name(rng)}", True)]
+    query = _SUBJECT.match(task["question"]).group(1)
+    hits = " ".join(index_for(None).top(query, 2))
+    return [(prompt, False), (f"Thought: I need to search.\nAction: search({query})\n", True),
+            (f"Observation: {hits}\n", False), (f"Answer: {task['answer']}", True)]
 
 
 def _normalize(text: str) -> str:
@@ -72,21 +91,26 @@ class BM25Index:
         return [self.documents[i] for i, s in zip(ids[0], scores[0]) if s > 0]
 
 
+@functools.lru_cache(maxsize=8)
+def index_for(collection: str | None) -> BM25Index:
+    """One BM25 index per collection per process (environments are created per episode)."""
+    if collection is None:
+        return BM25Index(synthetic_collection()[0])
+    path = Path(collection)
+    documents = []
+    for i, row in enumerate(read_jsonl(path), start=1):
+        if not isinstance(row.get("text"), str):
+            raise ValueError(f"{path}:{i}: a collection row needs a string 'text'")
+        documents.append(row["text"])
+    return BM25Index(documents)
+
+
 class SearchEnv(ToolEnv):
     """Questions answered from the collection: exact match of the final answer plus the format terms."""
 
     def __init__(self, collection: str | None = None, k: int = 2, format: str = "react", max_turns: int = 3,
                  rewards: dict | None = None):
-        if collection is None:
-            documents, _ = synthetic_collection()
-        else:
-            path = Path(collection)
-            documents = []
-            for i, row in enumerate(read_jsonl(path), start=1):
-                if not isinstance(row.get("text"), str):
-                    raise ValueError(f"{path}:{i}: a collection row needs a string 'text'")
-                documents.append(row["text"])
-        index = BM25Index(documents)
+        index = index_for(collection)
 
         def search(query: str) -> str:
             """Search the document collection.

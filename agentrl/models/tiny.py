@@ -46,23 +46,48 @@ class BaseModelConfig:
     seed: int = 0
 
 
-def _calculator_corpus() -> tuple[Callable, Callable]:
+@dataclass
+class Corpus:
+    """Synthetic demonstrations to learn: tasks(n, seed, split, unique), demonstrate(task, right, rng)."""
+
+    tasks: Callable
+    demonstrate: Callable
+    special_tokens: tuple[str, ...] = ()  # extra special tokens (chat markers)
+    chat_template: str | None = None  # saved with the tokenizer
+
+
+def _calculator_corpus() -> Corpus:
     from agentrl.envs.calculator import calculator_demonstration, calculator_tasks
 
-    return calculator_tasks, calculator_demonstration
+    return Corpus(calculator_tasks, calculator_demonstration)
 
 
-def _multistep_corpus() -> tuple[Callable, Callable]:
+def _multistep_corpus() -> Corpus:
     from agentrl.envs.calculator import multistep_demonstration, multistep_tasks
 
-    return multistep_tasks, multistep_demonstration
+    return Corpus(multistep_tasks, multistep_demonstration)
 
 
-CORPORA: dict[str, Callable[[], tuple[Callable, Callable]]] = {"calculator": _calculator_corpus,
-                                                                "multistep": _multistep_corpus}
+def _chat_corpus() -> Corpus:
+    from agentrl.envs.calculator import calculator_tasks, chat_calculator_demonstration
+    from agentrl.envs.chat import CHATML_TOOLS_TEMPLATE
+
+    return Corpus(calculator_tasks, chat_calculator_demonstration, ("<|im_start|>", "<|im_end|>"),
+                  CHATML_TOOLS_TEMPLATE)
 
 
-def build_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+def _search_corpus() -> Corpus:
+    from agentrl.envs.search import search_demonstration, search_tasks
+
+    return Corpus(search_tasks, search_demonstration)
+
+
+CORPORA: dict[str, Callable[[], Corpus]] = {"calculator": _calculator_corpus, "multistep": _multistep_corpus,
+                                            "chat": _chat_corpus, "search": _search_corpus}
+
+
+def build_tokenizer(texts: list[str], vocab_size: int, extra_special: tuple[str, ...] = (),
+                    chat_template: str | None = None) -> PreTrainedTokenizerFast:
     """Byte-level BPE with every digit its own token (so numbers copy digit by digit), BOS/EOS/PAD distinct."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -70,17 +95,20 @@ def build_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[PAD, BOS, EOS],
+        vocab_size=vocab_size, special_tokens=[PAD, BOS, EOS, *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
     )
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, padding_side="left",
-        clean_up_tokenization_spaces=False,
+        clean_up_tokenization_spaces=False, additional_special_tokens=list(extra_special) or None,
     )
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def _encode(tokenizer, segments: Segments, eos_id: int) -> tuple[list[int], list[int]]:
@@ -161,12 +189,15 @@ def build_base_model(out_dir: str | Path, config: BaseModelConfig | None = None,
     started = time.time()
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
-    make_tasks, demonstrate = CORPORA[config.corpus]()
+    corpus = CORPORA[config.corpus]()
+    make_tasks, demonstrate = corpus.tasks, corpus.demonstrate
     n_examples = config.steps * config.batch_size
     tasks = make_tasks(n_examples, seed=config.seed, split="train", unique=False)
     demos = [demonstrate(t, rng.random() < config.tool_fraction, rng) for t in tasks]
 
-    tokenizer = build_tokenizer(["".join(text for text, _ in d[: 4]) for d in demos[:5000]], config.vocab_size)
+    # The first four segments of 5,000 demonstrations are plenty for BPE (and keep the built models as measured).
+    tokenizer = build_tokenizer(["".join(text for text, _ in d[:4]) for d in demos[:5000]], config.vocab_size,
+                                corpus.special_tokens, corpus.chat_template)
     encoded = _encode_many(tokenizer, demos, tokenizer.eos_token_id)
     model_config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,

@@ -75,3 +75,22 @@ def test_nan_weights_never_reach_a_checkpoint(tiny_base, tmp_path):
     with pytest.raises(RuntimeError, match="non-finite"):
         trainer.save_pretrained(str(tmp_path / "ckpt"))
     assert (tmp_path / "ckpt" / "previous.txt").read_text() == "kept"  # the old checkpoint is untouched
+
+
+def test_tool_using_example_environment_trains_from_the_command_line(tiny_base, tmp_path):
+    out = tmp_path / "units"
+    assert main(["ppo", "--config", "quickstart", f"model.base={tiny_base}", f"out_dir={out}",
+                 "env.name=examples.units_env:UnitsEnv", "env.tasks=examples.units_env:units_tasks", *TINY_JOB]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["after"]["tasks"] == 16
+
+
+def test_units_example_tool_is_a_real_tool():
+    from examples.units_env import UnitsEnv
+
+    env = UnitsEnv()
+    env.reset({"question": "How many metres is 3 km?", "answer": "3000"})
+    assert env.step('Action: convert({"value": 3, "unit": "km"})\n').observation == "Observation: 3000\n"
+    assert env.step("Answer: 3000").reward == 1.0
+    env.reset({"question": "How many metres is 3 km?", "answer": "3000"})
+    assert "KeyError" in env.step('Action: convert({"value": 3, "unit": "mile"})\n').observation
