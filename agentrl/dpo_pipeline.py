@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from agentrl.config import load_config, to_dict
-from agentrl.pipeline import EnvSection, ModelSection, RolloutSection, load_tasks, resolve_config_path
+from agentrl.pipeline import EnvSection, ModelSection, RolloutSection, resolve_config_path
 from agentrl.trainers.dpo import DPOConfig
 
 
@@ -50,11 +50,8 @@ def sample_pairs(model, tokenizer, env_factory, tasks: list[dict], samples: int,
 
 
 def run_dpo_job(config: DPOJobConfig) -> dict:
-    from peft import LoraConfig, get_peft_model
-
-    from agentrl.envs.base import make_env
-    from agentrl.evaluate import evaluate, load_policy, write_json
-    from agentrl.models.tiny import build_base_model
+    from agentrl.evaluate import write_json
+    from agentrl.pipeline import add_lora, prepare_run
     from agentrl.preferences import pair_to_example, write_jsonl
     from agentrl.rollout.sampling import SamplingParams
     from agentrl.trainers.common import TaskCycler
@@ -62,24 +59,11 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
 
     started = time.time()
     out = Path(config.out_dir)
-    base_dir = config.model.base
-    if base_dir == "embedded":
-        base_dir = str(build_base_model(config.model.base_dir, config.model.builder, progress=config.progress))
-    model, tokenizer = load_policy(base_dir)
-    env_factory = lambda: make_env(config.env.name, config.env.kwargs)  # noqa: E731
-    eval_tasks = load_tasks(config.env.tasks, config.env.eval_tasks, config.eval_seed, "eval")
+    run = prepare_run(config.model, config.env, config.rollout, config.eval_seed, config.progress)
+    model, tokenizer, env_factory = run.model, run.tokenizer, run.env_factory
     max_new = config.rollout.max_new_tokens
-
-    def both(m):
-        return {"greedy": evaluate(m, tokenizer, env_factory, eval_tasks, True, max_new_tokens=max_new, seed=config.eval_seed),
-                "sampled": evaluate(m, tokenizer, env_factory, eval_tasks, False, config.iterative.temperature,
-                                    max_new_tokens=max_new, seed=config.eval_seed)}
-
-    before = both(model)
-    if config.model.lora:
-        model = get_peft_model(model, LoraConfig(r=config.model.lora_r, lora_alpha=config.model.lora_alpha,
-                                                 lora_dropout=config.model.lora_dropout, bias="none",
-                                                 target_modules=list(config.model.target_modules), task_type="CAUSAL_LM"))
+    before = run.evaluate_both(model, config.iterative.temperature)
+    model = add_lora(model, config.model)
     dpo_cfg = replace(config.dpo, output_dir=str(out / "adapter"), progress=config.progress)
     rounds, total_pairs, total_ties, trainer, steps = [], 0, 0, None, 0
     train_started = time.time()
@@ -88,10 +72,7 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
         trainer.train(metrics_path=str(out / "metrics.jsonl"))
         total_pairs, steps = len(trainer.examples), trainer.total_steps
     else:
-        held_out = {t.get("question", str(t)) for t in eval_tasks}
-        train_tasks = [t for t in load_tasks(config.env.tasks, config.env.train_tasks, dpo_cfg.seed, "train")
-                       if t.get("question", str(t)) not in held_out]
-        cycler = TaskCycler(train_tasks, dpo_cfg.seed)
+        cycler = TaskCycler(run.train_tasks(config.env.tasks, config.env.train_tasks, dpo_cfg.seed), dpo_cfg.seed)
         sampling = SamplingParams(max_new_tokens=max_new, temperature=config.iterative.temperature,
                                   top_k=config.rollout.top_k, top_p=config.rollout.top_p)
         for r in range(config.iterative.rounds):
@@ -118,15 +99,15 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
     if trainer is None:
         raise RuntimeError("no preference pairs were produced in any round; nothing to train on")
     trainer.save_model(str(adapter_dir))
-    after = both(model)
+    after = run.evaluate_both(model, config.iterative.temperature)
     summary = {
         "before": before["greedy"], "after": after["greedy"],
         "before_sampled": before["sampled"], "after_sampled": after["sampled"],
         "algo": "dpo" if config.data else "iterative-dpo", "steps": steps, "ppo_steps": 0,
         "rounds": rounds, "pairs": total_pairs, "ties_skipped": total_ties,
-        "eval_tasks": len(eval_tasks), "train_seconds": round(train_seconds, 1),
+        "eval_tasks": len(run.eval_tasks), "train_seconds": round(train_seconds, 1),
         "wall_seconds": round(time.time() - started, 1),
-        "base_model_dir": str(base_dir), "adapter_dir": str(adapter_dir), "config": to_dict(config),
+        "base_model_dir": str(run.base_dir), "adapter_dir": str(adapter_dir), "config": to_dict(config),
     }
     write_json(out / "summary.json", summary)
     return summary

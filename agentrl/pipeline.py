@@ -86,46 +86,80 @@ def load_tasks(spec: str, n: int, seed: int, split: str) -> list[dict]:
     return load_object(spec)(n, seed=seed, split=split)
 
 
+@dataclass
+class Run:
+    """What every job starts from: the base model, its tokenizer, the environment and the held-out tasks."""
+
+    base_dir: str
+    model: object
+    tokenizer: object
+    env_factory: object
+    eval_tasks: list[dict]
+    max_new_tokens: int
+    eval_seed: int
+
+    def evaluate_both(self, model, temperature: float) -> dict:
+        """Greedy and sampled metrics on the same held-out tasks and seed."""
+        from agentrl.evaluate import evaluate
+
+        kw = {"max_new_tokens": self.max_new_tokens, "seed": self.eval_seed}
+        return {"greedy": evaluate(model, self.tokenizer, self.env_factory, self.eval_tasks, True, **kw),
+                "sampled": evaluate(model, self.tokenizer, self.env_factory, self.eval_tasks, False, temperature, **kw)}
+
+    def train_tasks(self, spec: str, n: int, seed: int) -> list[dict]:
+        """Training tasks with every held-out task removed; an error if none remain."""
+        held_out = {t.get("question", str(t)) for t in self.eval_tasks}
+        tasks = [t for t in load_tasks(spec, n, seed, "train") if t.get("question", str(t)) not in held_out]
+        if not tasks or not self.eval_tasks:
+            raise ValueError(f"{spec}: {len(tasks)} training tasks remain after removing the "
+                             f"{len(self.eval_tasks)} held-out ones; both must be non-empty")
+        return tasks
+
+
+def prepare_run(model_cfg: ModelSection, env_cfg: EnvSection, rollout_cfg: RolloutSection, eval_seed: int,
+                progress: bool) -> Run:
+    from agentrl.evaluate import load_policy
+    from agentrl.models.tiny import build_base_model
+
+    base_dir = model_cfg.base
+    if base_dir == "embedded":
+        base_dir = str(build_base_model(model_cfg.base_dir, model_cfg.builder, progress=progress))
+    model, tokenizer = load_policy(base_dir)
+    env_factory = lambda: make_env(env_cfg.name, env_cfg.kwargs)  # noqa: E731
+    env_factory()  # fail early on a bad environment spec
+    eval_tasks = load_tasks(env_cfg.tasks, env_cfg.eval_tasks, eval_seed, "eval")
+    return Run(base_dir, model, tokenizer, env_factory, eval_tasks, rollout_cfg.max_new_tokens, eval_seed)
+
+
+def add_lora(model, model_cfg: ModelSection):
+    from peft import LoraConfig, get_peft_model
+
+    if not model_cfg.lora:
+        return model
+    return get_peft_model(model, LoraConfig(r=model_cfg.lora_r, lora_alpha=model_cfg.lora_alpha,
+                                            lora_dropout=model_cfg.lora_dropout, bias="none",
+                                            target_modules=list(model_cfg.target_modules), task_type="CAUSAL_LM"))
+
+
 def run_job(config: JobConfig) -> dict:
     """Build or load the base model, evaluate, train (PPO or GRPO), evaluate again, save; returns the summary."""
     import torch
-    from peft import LoraConfig, get_peft_model
 
-    from agentrl.evaluate import evaluate, load_policy, write_json
-    from agentrl.models.tiny import build_base_model
+    from agentrl.evaluate import write_json
     from agentrl.rollout.sampling import SamplingParams
     from agentrl.trainers.grpo import GRPOTrainer
     from agentrl.trainers.ppo import PPOTrainer
 
     started = time.time()
     out = Path(config.out_dir)
-    base_dir = config.model.base
-    if base_dir == "embedded":
-        base_dir = str(build_base_model(config.model.base_dir, config.model.builder, progress=config.progress))
-    model, tokenizer = load_policy(base_dir)
-    env_factory = lambda: make_env(config.env.name, config.env.kwargs)  # noqa: E731
-    env_factory()  # fail early on a bad environment spec
+    run = prepare_run(config.model, config.env, config.rollout, config.eval_seed, config.progress)
+    model, tokenizer, env_factory, eval_tasks = run.model, run.tokenizer, run.env_factory, run.eval_tasks
     algo_config = config.ppo if config.algo == "ppo" else config.grpo
-    train_tasks = load_tasks(config.env.tasks, config.env.train_tasks, algo_config.seed, "train")
-    eval_tasks = load_tasks(config.env.tasks, config.env.eval_tasks, config.eval_seed, "eval")
-    held_out = {t.get("question", str(t)) for t in eval_tasks}
-    train_tasks = [t for t in train_tasks if t.get("question", str(t)) not in held_out]
-    if not train_tasks or not eval_tasks:
-        raise ValueError(f"{config.env.tasks}: {len(train_tasks)} training tasks remain after removing the "
-                         f"{len(eval_tasks)} held-out ones; both must be non-empty")
+    train_tasks = run.train_tasks(config.env.tasks, config.env.train_tasks, algo_config.seed)
     max_new = config.rollout.max_new_tokens
-
-    def both(m):
-        return {"greedy": evaluate(m, tokenizer, env_factory, eval_tasks, True, max_new_tokens=max_new, seed=config.eval_seed),
-                "sampled": evaluate(m, tokenizer, env_factory, eval_tasks, False, algo_config.temperature,
-                                    max_new_tokens=max_new, seed=config.eval_seed)}
-
-    before = both(model)
+    before = run.evaluate_both(model, algo_config.temperature)
     torch.manual_seed(algo_config.seed)
-    if config.model.lora:
-        model = get_peft_model(model, LoraConfig(r=config.model.lora_r, lora_alpha=config.model.lora_alpha,
-                                                 lora_dropout=config.model.lora_dropout, bias="none",
-                                                 target_modules=list(config.model.target_modules), task_type="CAUSAL_LM"))
+    model = add_lora(model, config.model)
     if config.algo == "ppo":
         trainer = PPOTrainer(config=config.ppo, model=model, tokenizer=tokenizer)
     else:
@@ -144,7 +178,7 @@ def run_job(config: JobConfig) -> dict:
     ppo_seconds = time.time() - ppo_started
     adapter_dir = out / ("adapter" if config.model.lora else "model")
     trainer.save_pretrained(str(adapter_dir))
-    after = both(trainer.policy)
+    after = run.evaluate_both(trainer.policy, algo_config.temperature)
     summary = {
         "before": before["greedy"], "after": after["greedy"],
         "before_sampled": before["sampled"], "after_sampled": after["sampled"],
@@ -152,7 +186,7 @@ def run_job(config: JobConfig) -> dict:
         "episodes": config.steps * algo_config.batch_size,
         "eval_tasks": len(eval_tasks), "train_seconds": round(ppo_seconds, 1),
         "wall_seconds": round(time.time() - started, 1),
-        "base_model_dir": str(base_dir), "adapter_dir": str(adapter_dir), "config": to_dict(config),
+        "base_model_dir": str(run.base_dir), "adapter_dir": str(adapter_dir), "config": to_dict(config),
     }
     write_json(out / "summary.json", summary)
     return summary

@@ -15,6 +15,7 @@ arguments, an exception, a timeout) becomes an observation the model can read, n
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -90,14 +91,28 @@ def validate_arguments(schema: dict, arguments: dict) -> str | None:
     return None
 
 
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None  # shared: environments are created per episode
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="agentrl-tool")
+    return _POOL
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_schema(fn: Callable) -> dict:
+    return tool_schema(fn)
+
+
 class ToolRunner:
     """Dispatches validated calls to the functions with a per-call timeout and an observation size limit."""
 
     def __init__(self, tools: list[Callable], timeout: float = 5.0, max_observation_chars: int = 500):
         self.functions = {fn.__name__: fn for fn in tools}
-        self.schemas = {fn.__name__: tool_schema(fn) for fn in tools}
+        self.schemas = {fn.__name__: _cached_schema(fn) for fn in tools}
         self.timeout, self.max_chars = timeout, max_observation_chars
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="agentrl-tool")
 
     def __call__(self, call: ToolCall) -> tuple[str, bool]:
         """(observation text, ok). Never raises."""
@@ -106,7 +121,7 @@ class ToolRunner:
         problem = validate_arguments(self.schemas[call.name], call.arguments)
         if problem:
             return f"Error: {call.name}: {problem}", False
-        future = self._pool.submit(self.functions[call.name], **call.arguments)
+        future = _pool().submit(self.functions[call.name], **call.arguments)
         try:
             result = future.result(timeout=self.timeout)
         except concurrent.futures.TimeoutError:

@@ -14,6 +14,7 @@ import copy
 import math
 import random
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, fields
 from typing import Literal
@@ -79,6 +80,9 @@ class DPOTrainer:
         tokenizer = tokenizer or processing_class
         if model is None or tokenizer is None or train_dataset is None:
             raise ValueError("DPOTrainer needs model, tokenizer and train_dataset")
+        if eval_dataset is not None:
+            warnings.warn("eval_dataset is not evaluated during DPO training yet; use `agentrl compare` or "
+                          "agentrl.evaluate after training", stacklevel=2)
         config = DPOConfig.from_args(args)
         unknown = set(overrides) - {f.name for f in fields(DPOConfig)}
         if unknown:
