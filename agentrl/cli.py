@@ -135,6 +135,16 @@ def _print_summary(summary: dict) -> None:
     print(f"adapter: {summary['adapter_dir']}")
 
 
+def _env_arguments(p: argparse.ArgumentParser, tasks: int) -> None:
+    """The options every command that runs an environment shares."""
+    p.add_argument("--env", default="agentrl.envs:CalculatorEnv", help="module:Class of the environment")
+    p.add_argument("--env-kwargs", default=None, help="JSON object passed to the environment")
+    p.add_argument("--task-source", default="agentrl.envs:calculator_tasks", help="module:function or .jsonl")
+    p.add_argument("--tasks", type=int, default=tasks)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentrl", description="RL for tool-using LLM agents")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -162,15 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("preferences", help="sample K trajectories per task and write best/worst pairs")
     p.add_argument("--model", required=True)
     p.add_argument("--adapter", default=None)
-    p.add_argument("--env", default="agentrl.envs:CalculatorEnv")
-    p.add_argument("--env-kwargs", default=None, help="JSON object passed to the environment")
-    p.add_argument("--task-source", default="agentrl.envs:calculator_tasks", help="module:function or .jsonl")
+    _env_arguments(p, tasks=256)
     p.add_argument("--split", default="train", choices=["train", "eval"])
-    p.add_argument("--tasks", type=int, default=256)
     p.add_argument("--samples", type=int, default=4, help="trajectories per task (K)")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="pairs JSONL to write")
     p.set_defaults(func=_cmd_preferences)
 
@@ -182,14 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="win-rate of model A against model B on the same tasks and seeds")
     p.add_argument("--a", required=True, help="MODEL_DIR or MODEL_DIR:ADAPTER_DIR")
     p.add_argument("--b", required=True, help="MODEL_DIR or MODEL_DIR:ADAPTER_DIR")
-    p.add_argument("--env", default="agentrl.envs:CalculatorEnv")
-    p.add_argument("--env-kwargs", default=None, help="JSON object passed to the environment")
-    p.add_argument("--task-source", default="agentrl.envs:calculator_tasks", help="module:function or .jsonl")
-    p.add_argument("--tasks", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
+    _env_arguments(p, tasks=200)
     p.add_argument("--judge", default="env", help="env, or reward-model:PATH")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--out", default=None, help="also write the result to this JSON file")
     p.set_defaults(func=_cmd_compare)
 
@@ -201,14 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="evaluate a model (and adapter) on held-out tasks")
     p.add_argument("--model", required=True)
     p.add_argument("--adapter", default=None)
-    p.add_argument("--env", default="agentrl.envs:CalculatorEnv")
-    p.add_argument("--env-kwargs", default=None, help="JSON object passed to the environment")
-    p.add_argument("--task-source", default="agentrl.envs:calculator_tasks", help="module:function or .jsonl")
-    p.add_argument("--tasks", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
+    _env_arguments(p, tasks=200)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--out", default=None, help="also write the metrics to this JSON file")
     p.set_defaults(func=_cmd_eval)
     return parser
