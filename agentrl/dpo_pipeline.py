@@ -50,6 +50,8 @@ def sample_pairs(model, tokenizer, env_factory, tasks: list[dict], samples: int,
 
 
 def run_dpo_job(config: DPOJobConfig) -> dict:
+    import torch
+
     from agentrl.evaluate import write_json
     from agentrl.pipeline import add_lora, prepare_run
     from agentrl.preferences import pair_to_example, write_jsonl
@@ -63,6 +65,7 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
     model, tokenizer, env_factory = run.model, run.tokenizer, run.env_factory
     max_new = config.rollout.max_new_tokens
     before = run.evaluate_both(model, config.iterative.temperature)
+    torch.manual_seed(config.dpo.seed)  # LoRA init and rollouts: the same run for the same config
     model = add_lora(model, config.model)
     dpo_cfg = replace(config.dpo, output_dir=str(out / "adapter"), progress=config.progress)
     rounds, total_pairs, total_ties, trainer, steps = [], 0, 0, None, 0
