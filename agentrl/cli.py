@@ -154,20 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="BaseModelConfig fields as key=value")
     p.set_defaults(func=_cmd_base_model)
 
-    p = sub.add_parser("ppo", help="run a PPO job from a YAML config")
-    p.add_argument("--config", required=True, help="a YAML file, or a shipped config name (quickstart)")
-    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    p.set_defaults(func=_cmd_ppo)
-
-    p = sub.add_parser("grpo", help="run a GRPO / Dr. GRPO / RLOO job from a YAML config")
-    p.add_argument("--config", required=True, help="a YAML file, or a shipped config name (grpo)")
-    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    p.set_defaults(func=_cmd_grpo)
-
-    p = sub.add_parser("dpo", help="DPO: offline on a pairs file (data=...) or iterative from an environment")
-    p.add_argument("--config", required=True, help="a YAML file, or a shipped config name (dpo)")
-    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    p.set_defaults(func=_cmd_dpo)
+    for name, help_text, example, func in (
+            ("ppo", "run a PPO job from a YAML config", "quickstart", _cmd_ppo),
+            ("grpo", "run a GRPO / Dr. GRPO / RLOO job from a YAML config", "grpo", _cmd_grpo),
+            ("dpo", "DPO: offline on a pairs file (data=...) or iterative from an environment", "dpo", _cmd_dpo)):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--config", required=True, help=f"a YAML file, or a shipped config name ({example})")
+        p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+        p.set_defaults(func=func)
 
     p = sub.add_parser("preferences", help="sample K trajectories per task and write best/worst pairs")
     p.add_argument("--model", required=True)

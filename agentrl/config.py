@@ -88,7 +88,7 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
     kwargs = {}
     for key, value in data.items():
         if key not in fields:
-            raise ConfigError(f"unknown config key {prefix}{key!r}{_nearest(key, list(fields))}")
+            raise ConfigError(f"unknown config key {prefix + key!r}{_nearest(key, list(fields))}")
         kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}")
     try:
         return cls(**kwargs)
