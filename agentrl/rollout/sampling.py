@@ -39,6 +39,11 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count only real tokens, identical for left padding (sampling) and right padding."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def _left_pad(contexts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(c) for c in contexts)
     ids = torch.full((len(contexts), width), pad_id, dtype=torch.long)
@@ -77,15 +82,15 @@ def sample_batch(
         warpers.append(TopPLogitsWarper(params.top_p))
 
     input_ids, attention_mask = _left_pad(contexts, pad_token_id, device)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    positions = position_ids(attention_mask)
     cache = DynamicCache()
     B = len(contexts)
     samples = [Sample([], [], "length") for _ in range(B)]
     active = torch.ones(B, dtype=torch.bool, device=device)
     cache_kw = cache_kwarg(model)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                 use_cache=True, **{cache_kw: cache})
-    next_pos = position_ids[:, -1:] + 1
+    next_pos = positions[:, -1:] + 1
     for n_new in range(params.max_new_tokens):
         logits = out.logits[:, -1, :].float() / params.temperature  # (B, V)
         if n_new < params.min_new_tokens:
@@ -99,10 +104,12 @@ def sample_batch(
         else:
             tokens = logits.argmax(-1)
         token_logprobs = logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
+        # One device-to-host copy per step, not one per row.
+        token_list, logprob_list = tokens.tolist(), token_logprobs.tolist()
         for i in torch.nonzero(active).flatten().tolist():
             s = samples[i]
-            s.ids.append(int(tokens[i]))
-            s.logprobs.append(float(token_logprobs[i]))
+            s.ids.append(token_list[i])
+            s.logprobs.append(logprob_list[i])
             if s.ids[-1] == eos_token_id:
                 s.finish, active[i] = "eos", False
             elif compiled and any(p.search(tokenizer.decode(s.ids)) for p in compiled):

@@ -12,6 +12,7 @@ import torch
 
 from agentrl.algos.losses import entropy_from_logits
 from agentrl.rollout.engine import Episode
+from agentrl.rollout.sampling import position_ids  # noqa: F401  (re-exported for trainers)
 
 
 @dataclass
@@ -76,11 +77,6 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     """
     logits = logits[:, :-1].float() / temperature
     return torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-
-
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that count only real tokens, identical for left padding (sampling) and right padding."""
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def policy_forward(model, batch: TokenBatch, temperature: float, with_entropy: bool = False):
