@@ -255,15 +255,21 @@ class CalculatorToolEnv(ToolEnv):
 
 
 def chat_calculator_demonstration(task: dict, use_tool: bool, rng: random.Random) -> list[tuple[str, bool]]:
-    """A chat-format trace exactly as CHATML_TOOLS_TEMPLATE renders it (a test checks the two agree)."""
+    """A chat-format trace exactly as CHATML_TOOLS_TEMPLATE renders it (a test checks the two agree).
+
+    The decision to call is the first token of the turn, `<tool_call>` or "I" (of "I think it is N"), with
+    the corpus' 40/60 odds: the base model guesses under greedy decoding and RL has to teach it when the
+    tool pays, as in the ReAct quickstart. The answer after a tool result is worded differently ("The
+    answer is N"), so that copying the result is not confused with guessing.
+    """
     prompt = (f"<|im_start|>system\nTools: calculator(expression)<|im_end|>\n"
               f"<|im_start|>user\n{task['question']}<|im_end|>\n<|im_start|>assistant\n")
     if not use_tool:
-        return [(prompt, False), (f"{_wrong_guess(task['answer'], rng)}<|im_end|>", True)]
+        return [(prompt, False), (f"I think it is {_wrong_guess(task['answer'], rng)}<|im_end|>", True)]
     call = json.dumps({"name": "calculator", "arguments": {"expression": task["expression"]}})
     return [
         (prompt, False),
         (f"<tool_call>{call}</tool_call><|im_end|>", True),
         (f"\n<|im_start|>tool\n{task['answer']}<|im_end|>\n<|im_start|>assistant\n", False),
-        (f"{task['answer']}<|im_end|>", True),
+        (f"The answer is {task['answer']}<|im_end|>", True),
     ]

@@ -73,14 +73,26 @@ class ChatRenderer:
         self.text = _render(self.tokenizer, self.messages, self.tools, True)
         return self.text
 
-    def strip_turn_end(self, sampled: str) -> str:
-        return sampled.split(self.turn_end, 1)[0]
+    def content(self, sampled: str) -> str:
+        """The assistant message in a turn's text as sampled (special tokens kept): before the turn end or EOS."""
+        eos = self.tokenizer.eos_token
+        text = sampled.split(self.turn_end, 1)[0]
+        return text.split(eos, 1)[0] if eos else text
+
+    def ended_with_eos(self, sampled: str) -> bool:
+        """The model wrote EOS, and EOS is not this template's end of turn: the episode ends here."""
+        eos = self.tokenizer.eos_token
+        return bool(eos) and eos != self.turn_end and eos in sampled
 
     def tool_turn(self, sampled: str, results: list[str]) -> str:
         """Append the assistant turn and one `tool` message per result; return the text to append after
-        what the model sampled (tool messages plus the next generation prompt)."""
+        what the model sampled (tool messages plus the next generation prompt).
+
+        `sampled` is the turn's text with special tokens kept: when the model wrote the turn-end marker
+        itself, the appended text starts after it; when the turn was cut by length, it starts with it.
+        """
         produced = self.text + sampled
-        self.messages.append({"role": "assistant", "content": self.strip_turn_end(sampled)})
+        self.messages.append({"role": "assistant", "content": self.content(sampled)})
         self.messages += [{"role": "tool", "content": r} for r in results]
         full = _render(self.tokenizer, self.messages, self.tools, True)
         if not full.startswith(produced):

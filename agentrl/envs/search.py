@@ -16,11 +16,19 @@ from agentrl.data import read_jsonl, split_of
 from agentrl.envs.tools import ToolEnv
 
 _SYLLABLES = ["ka", "lo", "mi", "ren", "tor", "va", "sel", "qu", "dar", "ith", "bel", "nor", "sha", "vin", "el", "mor"]
+# (fact, question): every question names its relation and subject as "the <relation> of <subject>", which is
+# also the query a demonstration searches for, so BM25 ranks the fact that answers it first.
 _RELATIONS = [
-    ("capital", "The capital of {x} is {y}.", "What is the capital of {x}?"),
-    ("river", "The longest river of {x} is the {y}.", "What is the longest river of {x}?"),
-    ("founder", "{x} was founded by {y}.", "Who founded {x}?"),
+    ("The capital of {x} is {y}.", "What is the capital of {x}?"),
+    ("The longest river of {x} is the {y}.", "What is the longest river of {x}?"),
+    ("The founder of {x} was {y}.", "Who was the founder of {x}?"),
 ]
+_SUBJECT = re.compile(r"\bthe (.*)\?$")
+# The world the environment asks about (seed 0), and the one the embedded base model practises on. They
+# pair names differently, so the base model cannot know an answer of the environment's world: it has to
+# search and read the result.
+ENV_WORLD, PRACTICE_WORLD = 0, 1
+_WORLD_ENTITIES = {ENV_WORLD: 400, PRACTICE_WORLD: 1500}
 
 
 def _name(rng: random.Random) -> str:
@@ -36,37 +44,53 @@ def synthetic_collection(n_entities: int = 400, seed: int = 0) -> tuple[list[str
         if x in seen:
             continue
         seen.add(x)
-        for _, fact, question in _RELATIONS:
+        for fact, question in _RELATIONS:
             y = _name(rng)
             docs.append(fact.format(x=x, y=y))
             tasks.append({"question": question.format(x=x), "answer": y})
     return docs, tasks
 
 
-def search_tasks(n: int, seed: int = 0, split: str = "train", unique: bool = True) -> list[dict]:
-    """Tasks over the synthetic collection, split by question text (see agentrl.data.split_of).
-    With `unique=False` (SFT corpora) tasks are drawn with replacement."""
-    _, tasks = synthetic_collection()
+def search_query(question: str) -> str:
+    """The query a demonstration uses: "capital of Veloria" for "What is the capital of Veloria?"."""
+    match = _SUBJECT.search(question)
+    return match.group(1) if match else question
+
+
+def _world_tasks(world: int, n: int, seed: int, split: str, unique: bool) -> list[dict]:
+    _, tasks = synthetic_collection(_WORLD_ENTITIES[world], seed=world)
     rows = [t for t in tasks if split_of(t["question"]) == split]
     rng = random.Random(f"{seed}-{split}")
     if not unique:
-        return [dict(rng.choice(rows)) for _ in range(n)]
+        return [dict(rng.choice(rows), world=world) for _ in range(n)]
     rng.shuffle(rows)
     return rows[:n]
 
 
-_SUBJECT = re.compile(r"^(?:What is the |Who founded )(.*)\?$")
+def search_tasks(n: int, seed: int = 0, split: str = "train", unique: bool = True) -> list[dict]:
+    """Tasks over the environment's synthetic collection, split by question text (see agentrl.data.split_of).
+    With `unique=False` tasks are drawn with replacement."""
+    return _world_tasks(ENV_WORLD, n, seed, split, unique)
+
+
+def search_practice_tasks(n: int, seed: int = 0, split: str = "train", unique: bool = True) -> list[dict]:
+    """Tasks of the practice world, for the base model's demonstrations (the "eval" split is the
+    environment's world itself, which is what the builder's probe measures)."""
+    if split == "eval":
+        return _world_tasks(ENV_WORLD, n, seed, split, unique)
+    return _world_tasks(PRACTICE_WORLD, n, seed, split, unique)
 
 
 def search_demonstration(task: dict, use_tool: bool, rng: random.Random) -> list[tuple[str, bool]]:
-    """A react trace that searches the synthetic collection (real BM25 results) or guesses a name."""
+    """A react trace that searches its task's world (real BM25 results, as SearchEnv returns them) or
+    guesses a name."""
     prompt = f"Question: {task['question']}\n"
     if not use_tool:
         return [(prompt, False), (f"Thought: I can answer directly.\nAnswer: {_name(rng)}", True)]
-    query = _SUBJECT.match(task["question"]).group(1)
-    hits = " ".join(index_for(None).top(query, 2))
+    query = search_query(task["question"])
+    hits = _world_index(task.get("world", ENV_WORLD)).top(query, 2)
     return [(prompt, False), (f"Thought: I need to search.\nAction: search({query})\n", True),
-            (f"Observation: {hits}\n", False), (f"Answer: {task['answer']}", True)]
+            (f"Observation: {' '.join(hits)}\n", False), (f"Answer: {task['answer']}", True)]
 
 
 def _normalize(text: str) -> str:
@@ -83,6 +107,7 @@ class BM25Index:
         self.retriever = bm25s.BM25()
         self.retriever.index(bm25s.tokenize(documents, show_progress=False), show_progress=False)
 
+    @functools.lru_cache(maxsize=16384)  # demonstrations repeat questions; the ranking is deterministic
     def top(self, query: str, k: int) -> list[str]:
         import bm25s
 
@@ -91,11 +116,16 @@ class BM25Index:
         return [self.documents[i] for i, s in zip(ids[0], scores[0]) if s > 0]
 
 
+@functools.lru_cache(maxsize=4)
+def _world_index(world: int) -> BM25Index:
+    return BM25Index(synthetic_collection(_WORLD_ENTITIES[world], seed=world)[0])
+
+
 @functools.lru_cache(maxsize=8)
 def index_for(collection: str | None) -> BM25Index:
     """One BM25 index per collection per process (environments are created per episode)."""
     if collection is None:
-        return BM25Index(synthetic_collection()[0])
+        return _world_index(ENV_WORLD)
     path = Path(collection)
     documents = []
     for i, row in enumerate(read_jsonl(path), start=1):

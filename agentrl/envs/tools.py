@@ -178,7 +178,8 @@ class ToolEnv:
         self.rewards = ToolRewards(**(rewards or {}))
         self.system_prompt = system_prompt
         self.stop_patterns = (r"Action:[^\n]*\n",) if format == "react" else ()
-        self.eos_ends_episode = format == "react"  # in chat, the turn-end token is not the episode's end
+        self.eos_ends_episode = True  # chat: unless EOS is the template's end of turn (set in bind_tokenizer)
+        self.keep_special_tokens = format == "chat"  # chat turns are read with their turn-end marker
         self.chat = None
 
     @property
@@ -192,6 +193,7 @@ class ToolEnv:
 
             self.chat = ChatRenderer.for_tokenizer(tokenizer, self.schemas)
             self.stop_patterns = (self.chat.stop_pattern,)
+            self.eos_ends_episode = tokenizer.eos_token != self.chat.turn_end
 
     def reset(self, task: dict) -> str:
         self.task, self.turns, self.calls, self.failures, self.format_errors = task, 0, 0, 0, 0
@@ -210,7 +212,9 @@ class ToolEnv:
 
         self.turns += 1
         calls, errors = self._parse(action)
-        if (calls or errors) and self.turns < self.max_turns:
+        # A chat turn that ends in EOS (not the turn-end marker) ends the episode: score it as the last turn.
+        last = self.turns >= self.max_turns or (self.chat is not None and self.chat.ended_with_eos(action))
+        if (calls or errors) and not last:
             results = []
             for problem in errors:
                 results.append(f"Error: {problem}")
@@ -245,7 +249,7 @@ class ToolEnv:
         if self.format == "react":
             match = re.search(r"^[ \t]*Answer:[ \t]*(.*)$", action, re.MULTILINE)
             return match.group(1).strip() if match else None
-        return self.chat.strip_turn_end(action).strip() or None
+        return self.chat.content(action).strip() or None
 
     def _info(self, correct: bool, answer: Any = None) -> dict:
         return {"correct": correct, "answer": answer, "tool_calls": self.calls, "tool_failures": self.failures,

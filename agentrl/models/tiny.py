@@ -77,9 +77,9 @@ def _chat_corpus() -> Corpus:
 
 
 def _search_corpus() -> Corpus:
-    from agentrl.envs.search import search_demonstration, search_tasks
+    from agentrl.envs.search import search_demonstration, search_practice_tasks
 
-    return Corpus(search_tasks, search_demonstration)
+    return Corpus(search_practice_tasks, search_demonstration)
 
 
 CORPORA: dict[str, Callable[[], Corpus]] = {"calculator": _calculator_corpus, "multistep": _multistep_corpus,

@@ -63,6 +63,9 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator) -> l
         if hasattr(env, "bind_tokenizer"):  # environments that render through the tokenizer (chat format)
             env.bind_tokenizer(tokenizer)
     eos_ends = getattr(envs[0], "eos_ends_episode", True) if envs else True
+    # Chat environments must see the turn-end marker they sampled (a special token) to append the next
+    # segment exactly after it; every other environment gets plain text.
+    skip_special = not getattr(envs[0], "keep_special_tokens", False) if envs else True
     episodes = []
     for env, task in zip(envs, tasks):
         prompt = env.reset(task)
@@ -83,7 +86,7 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator) -> l
             ep.logprobs += sample.logprobs
             ep.turn_ends.append(len(ep.token_ids) - 1)
             ep.truncated |= sample.finish == "length"
-            action = tokenizer.decode(sample.ids, skip_special_tokens=True)
+            action = tokenizer.decode(sample.ids, skip_special_tokens=skip_special)
             result = envs[i].step(action)
             ep.turn_rewards.append(float(result.reward))
             ep.info = result.info

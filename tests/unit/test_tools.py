@@ -1,12 +1,16 @@
 """Typed-function tools: schemas, the Hermes parser, validation, timeouts and exceptions, chat templates."""
 
+import random
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agentrl.envs import SearchEnv, ToolEnv, parse_hermes_tool_calls, search_tasks, tool_schema
+from agentrl.envs.calculator import CalculatorToolEnv, calculator_tasks, chat_calculator_demonstration
+from agentrl.envs.search import search_demonstration, search_practice_tasks, search_query
 from agentrl.envs.chat import CHATML_TOOLS_TEMPLATE, ChatRenderer, TemplateDriftError
 from agentrl.envs.tools import ToolCall, ToolRunner
 
@@ -100,16 +104,26 @@ def test_tool_env_react_format_counts_failures():
     assert final.done and final.reward == 1.0 and final.info["tool_failures"] == 1
 
 
-def test_search_env_finds_the_fictional_fact():
-    task = search_tasks(1, seed=0, split="eval")[0]
+@pytest.mark.parametrize("i", range(3))  # one question of each relation
+def test_search_env_finds_the_fictional_fact(i):
+    task = [t for t in search_tasks(60, seed=0, split="eval")][i::3][0]
     env = SearchEnv()
     env.reset(task)
-    subject = task["question"].removeprefix("What is the ").removeprefix("Who founded ").rstrip("?")
-    r = env.step(f"Action: search({subject})\n")
-    assert task["answer"] in r.observation
+    r = env.step(f"Action: search({search_query(task['question'])})\n")
+    first_hit = r.observation.removeprefix("Observation: ").split(". ")[0]
+    assert task["answer"] in first_hit  # BM25 ranks the fact that answers the question first
     assert env.step(f"Answer: {task['answer']}").reward == 1.0
     assert not set(t["question"] for t in search_tasks(100, split="eval")) & set(
         t["question"] for t in search_tasks(2000, split="train"))
+
+
+def test_search_base_model_practises_on_another_world():
+    env_world = {t["question"]: t["answer"] for t in search_tasks(2000, split="train") + search_tasks(2000, split="eval")}
+    practice = search_practice_tasks(500, split="train", unique=False)
+    shared = [t for t in practice if t["question"] in env_world]
+    assert practice and all(t["answer"] != env_world[t["question"]] for t in shared)  # no answer carries over
+    demo = search_demonstration(practice[0], True, random.Random(0))
+    assert practice[0]["answer"] in demo[2][0]  # the observation holds the practice world's fact
 
 
 @pytest.fixture()
@@ -131,21 +145,65 @@ def test_prefix_preserving_template_passes_and_a_rewriting_one_is_named(chat_tok
         ChatRenderer.for_tokenizer(rewriting, [tool_schema(add)])
 
 
-def test_chat_rollout_masks_tool_messages(tiny_base, chat_tokenizer):
+class ScriptedLM(torch.nn.Module):
+    """Writes a fixed token sequence, one token per forward call, whatever the context: a model whose
+    turns we choose, so a test can check what the rollout engine appends around them."""
+
+    def __init__(self, script: list[int], vocab_size: int):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # the sampler reads the device from the parameters
+        self.script, self.vocab_size = list(script), vocab_size
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None, past_key_values=None):
+        logits = torch.full((*input_ids.shape, self.vocab_size), -1e9)
+        logits[:, -1, self.script.pop(0)] = 0.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_chat_rollout_ids_are_the_template_rendering_of_the_conversation(chat_tokenizer):
+    """The model samples its own turn-end token; the engine must append the tool message after it, exactly
+    as the template renders the whole conversation (no doubled or missing markers)."""
     from agentrl.rollout import SamplingParams, rollout
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_base)
-    model.resize_token_embeddings(len(chat_tokenizer))
-    plan = iter(['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>'])
+    task = {"question": "What is 2 + 3?", "answer": "5", "expression": "2 + 3"}
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>'
+    turns = [call + "<|im_end|>", "The answer is 5<|im_end|>"]
+    script = [i for t in turns for i in chat_tokenizer(t, add_special_tokens=False)["input_ids"]]
+    model = ScriptedLM(script, len(chat_tokenizer))
+    ep = rollout(model, chat_tokenizer, lambda: CalculatorToolEnv(format="chat"), [task],
+                 SamplingParams(max_new_tokens=256, do_sample=False))[0]
+    assert ep.info["correct"] and ep.score == 1.0 and ep.num_turns == 2
+    env = CalculatorToolEnv(format="chat")
+    messages = [{"role": "user", "content": task["question"]}, {"role": "assistant", "content": call},
+                {"role": "tool", "content": "5"}, {"role": "assistant", "content": "The answer is 5"}]
+    rendered = chat_tokenizer.apply_chat_template(messages, tools=env.schemas, tokenize=False)
+    expected = chat_tokenizer(rendered)["input_ids"]
+    got = ep.prompt_ids + ep.token_ids
+    assert got == expected[:len(got)] and chat_tokenizer.decode(expected[len(got):]) == "\n"
+    # 1 exactly on what the model wrote, 0 on the tool message and the next generation prompt
+    sampled = [t for t, m in zip(ep.token_ids, ep.loss_mask) if m]
+    assert sampled == script
 
-    class Scripted(ToolEnv):
-        def step(self, action):
-            return super().step(next(plan, action))
 
-    env_factory = lambda: Scripted([add], check=lambda t, a: a == t["answer"], format="chat")  # noqa: E731
-    ep = rollout(model.eval(), chat_tokenizer, env_factory, [{"question": "What is 2 + 3?", "answer": "5"}],
-                 SamplingParams(max_new_tokens=8), generator=torch.Generator().manual_seed(0))[0]
-    assert ep.info["tool_calls"] == 1
-    tool_ids = chat_tokenizer("<|im_start|>tool\n5<|im_end|>", add_special_tokens=False)["input_ids"]
-    starts = [i for i in range(len(ep.token_ids)) if ep.token_ids[i:i + len(tool_ids)] == tool_ids]
-    assert starts and ep.loss_mask[starts[0]:starts[0] + len(tool_ids)] == [0] * len(tool_ids)
+def test_chat_turn_ending_in_eos_ends_the_episode(chat_tokenizer):
+    from agentrl.rollout import SamplingParams, rollout
+
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>'
+    script = chat_tokenizer(call, add_special_tokens=False)["input_ids"] + [chat_tokenizer.eos_token_id]
+    task = {"question": "What is 2 + 3?", "answer": "5"}
+    ep = rollout(ScriptedLM(script, len(chat_tokenizer)), chat_tokenizer, lambda: CalculatorToolEnv(format="chat"),
+                 [task], SamplingParams(max_new_tokens=256, do_sample=False))[0]
+    assert ep.done and ep.num_turns == 1 and ep.score == -1.0 and not ep.info["correct"]
+
+
+def test_chat_demonstrations_are_what_the_template_renders(chat_tokenizer):
+    env = CalculatorToolEnv(format="chat")
+    env.bind_tokenizer(chat_tokenizer)
+    for use_tool in (True, False):
+        task = calculator_tasks(1, split="eval")[0]
+        demo = chat_calculator_demonstration(task, use_tool, random.Random(0))
+        assert env.reset(task) == demo[0][0]
+        if use_tool:
+            observation = env.step(demo[1][0]).observation
+            assert observation == demo[2][0]
+            assert env.step(demo[3][0]).reward == 1.0
