@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.agentrl-installed
 
-.PHONY: install demo demo-grpo demo-dpo test clean
+.PHONY: install demo demo-grpo demo-dpo demo-chat demo-search test clean
 
 $(PY):
 	python3 -m venv .venv
@@ -23,6 +23,12 @@ demo-grpo: $(STAMP)
 
 demo-dpo: $(STAMP)
 	.venv/bin/agentrl dpo --config dpo out_dir=runs/dpo
+
+demo-chat: $(STAMP)
+	.venv/bin/agentrl ppo --config chat out_dir=runs/chat
+
+demo-search: $(STAMP)
+	.venv/bin/agentrl ppo --config search out_dir=runs/search
 
 test: $(STAMP)
 	$(PY) -m pytest -q

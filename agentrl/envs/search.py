@@ -19,15 +19,16 @@ _SYLLABLES = ["ka", "lo", "mi", "ren", "tor", "va", "sel", "qu", "dar", "ith", "
 # (fact, question): every question names its relation and subject as "the <relation> of <subject>", which is
 # also the query a demonstration searches for, so BM25 ranks the fact that answers it first.
 _RELATIONS = [
-    ("The capital of {x} is {y}.", "What is the capital of {x}?"),
-    ("The longest river of {x} is the {y}.", "What is the longest river of {x}?"),
-    ("The founder of {x} was {y}.", "Who was the founder of {x}?"),
+    ("{y} is the capital of {x}.", "What is the capital of {x}?"),
+    ("{y} is the longest river of {x}.", "What is the longest river of {x}?"),
+    ("{y} was the founder of {x}.", "Who was the founder of {x}?"),
 ]
 _SUBJECT = re.compile(r"\bthe (.*)\?$")
 # The world the environment asks about (seed 0), and the one the embedded base model practises on. They
 # pair names differently, so the base model cannot know an answer of the environment's world: it has to
 # search and read the result.
 ENV_WORLD, PRACTICE_WORLD = 0, 1
+HITS = 1  # documents a search returns by default (and in the demonstrations): the tiny model reads one
 _WORLD_ENTITIES = {ENV_WORLD: 400, PRACTICE_WORLD: 1500}
 
 
@@ -59,10 +60,10 @@ def search_query(question: str) -> str:
 
 def _world_tasks(world: int, n: int, seed: int, split: str, unique: bool) -> list[dict]:
     _, tasks = synthetic_collection(_WORLD_ENTITIES[world], seed=world)
-    rows = [t for t in tasks if split_of(t["question"]) == split]
+    rows = [dict(t, world=world) for t in tasks if split_of(t["question"]) == split]
     rng = random.Random(f"{seed}-{split}")
     if not unique:
-        return [dict(rng.choice(rows), world=world) for _ in range(n)]
+        return [dict(rng.choice(rows)) for _ in range(n)]
     rng.shuffle(rows)
     return rows[:n]
 
@@ -88,7 +89,7 @@ def search_demonstration(task: dict, use_tool: bool, rng: random.Random) -> list
     if not use_tool:
         return [(prompt, False), (f"Thought: I can answer directly.\nAnswer: {_name(rng)}", True)]
     query = search_query(task["question"])
-    hits = _world_index(task.get("world", ENV_WORLD)).top(query, 2)
+    hits = _world_index(task.get("world", ENV_WORLD)).top(query, HITS)
     return [(prompt, False), (f"Thought: I need to search.\nAction: search({query})\n", True),
             (f"Observation: {' '.join(hits)}\n", False), (f"Answer: {task['answer']}", True)]
 
@@ -138,7 +139,7 @@ def index_for(collection: str | None) -> BM25Index:
 class SearchEnv(ToolEnv):
     """Questions answered from the collection: exact match of the final answer plus the format terms."""
 
-    def __init__(self, collection: str | None = None, k: int = 2, format: str = "react", max_turns: int = 3,
+    def __init__(self, collection: str | None = None, k: int = HITS, format: str = "react", max_turns: int = 3,
                  rewards: dict | None = None):
         index = index_for(collection)
 
