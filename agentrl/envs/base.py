@@ -12,6 +12,10 @@ An environment is any object with this shape (no base class to inherit):
 `step` gets the text the model wrote in this turn. It returns the observation to append (text the model
 did not write, masked out of every loss), the reward for this turn, and whether the episode is over.
 Episode score = sum of turn rewards. PPO puts each turn's reward on the last token of that turn.
+
+Optional, for environments that render through the tokenizer (ToolEnv in chat format): a method
+`bind_tokenizer(tokenizer)` the engine calls before `reset`; `keep_special_tokens = True` to get each turn's
+text with its special tokens (the sampled turn-end marker); `eos_ends_episode = False` when EOS only ends a turn.
 """
 
 from __future__ import annotations

@@ -37,16 +37,20 @@ def _name(rng: random.Random) -> str:
 
 
 def synthetic_collection(n_entities: int = 400, seed: int = 0) -> tuple[list[str], list[dict]]:
-    """(documents, tasks): one fact per document, one question per fact, all fictional."""
-    rng, seen = random.Random(f"search-{seed}"), set()
+    """(documents, tasks): one fact per document, one question per fact, all fictional.
+
+    Answers are never subjects, so "the capital of X" names one fact: BM25 sees words, not their order, and
+    would otherwise rank "X is the capital of Z" as high as "Y is the capital of X".
+    """
+    rng, subjects = random.Random(f"search-{seed}"), {}
+    while len(subjects) < n_entities:
+        subjects.setdefault(_name(rng), None)
     docs, tasks = [], []
-    while len(tasks) < n_entities * len(_RELATIONS):
-        x = _name(rng)
-        if x in seen:
-            continue
-        seen.add(x)
+    for x in subjects:
         for fact, question in _RELATIONS:
             y = _name(rng)
+            while y in subjects:
+                y = _name(rng)
             docs.append(fact.format(x=x, y=y))
             tasks.append({"question": question.format(x=x), "answer": y})
     return docs, tasks

@@ -94,3 +94,14 @@ def test_units_example_tool_is_a_real_tool():
     assert env.step("Answer: 3000").reward == 1.0
     env.reset({"question": "How many metres is 3 km?", "answer": "3000"})
     assert "KeyError" in env.step('Action: convert({"value": 3, "unit": "mile"})\n').observation
+
+
+@pytest.mark.parametrize("config", ["chat", "search"])
+def test_chat_and_search_demos_run_end_to_end(config, tmp_path):
+    """The demo configs on a briefly trained embedded model of their own corpus: build, evaluate, PPO, save."""
+    out = tmp_path / config
+    assert main(["ppo", "--config", config, f"model.base_dir={tmp_path / 'base'}", "model.builder.steps=30",
+                 "model.builder.batch_size=32", "model.builder.warmup_steps=5", f"out_dir={out}", *TINY_JOB]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["after"]["tasks"] == 16 and summary["steps"] == 2
+    assert (out / "adapter" / "adapter_config.json").exists()

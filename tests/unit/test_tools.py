@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agentrl.envs import SearchEnv, ToolEnv, parse_hermes_tool_calls, search_tasks, tool_schema
 from agentrl.envs.calculator import CalculatorToolEnv, calculator_tasks, chat_calculator_demonstration
-from agentrl.envs.search import search_demonstration, search_practice_tasks, search_query
+from agentrl.envs.search import index_for, search_demonstration, search_practice_tasks, search_query
 from agentrl.envs.chat import CHATML_TOOLS_TEMPLATE, ChatRenderer, TemplateDriftError
 from agentrl.envs.tools import ToolCall, ToolRunner
 
@@ -115,6 +115,14 @@ def test_search_env_finds_the_fictional_fact(i):
     assert env.step(f"Answer: {task['answer']}").reward == 1.0
     assert not set(t["question"] for t in search_tasks(100, split="eval")) & set(
         t["question"] for t in search_tasks(2000, split="train"))
+
+
+def test_every_search_question_retrieves_its_fact_first():
+    """Answers are never subjects, so no other fact shares a query's words (BM25 ignores word order)."""
+    tasks = search_tasks(2000, split="train") + search_tasks(2000, split="eval")
+    index = index_for(None)
+    assert len(tasks) == 1200
+    assert all(index.top(search_query(t["question"]), 1)[0].startswith(t["answer"] + " ") for t in tasks)
 
 
 def test_search_base_model_practises_on_another_world():
