@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -54,6 +55,7 @@ class Corpus:
     demonstrate: Callable
     special_tokens: tuple[str, ...] = ()  # extra special tokens (chat markers)
     chat_template: str | None = None  # saved with the tokenizer
+    decision: str = r"[^\n]*\n"  # regex: where a turn decides to call or not (not scored by the probe)
 
 
 def _calculator_corpus() -> Corpus:
@@ -73,7 +75,7 @@ def _chat_corpus() -> Corpus:
     from agentrl.envs.chat import CHATML_TOOLS_TEMPLATE
 
     return Corpus(calculator_tasks, chat_calculator_demonstration, ("<|im_start|>", "<|im_end|>"),
-                  CHATML_TOOLS_TEMPLATE)
+                  CHATML_TOOLS_TEMPLATE, decision="<")  # the "<" of <tool_call>: its own token
 
 
 def _search_corpus() -> Corpus:
@@ -144,12 +146,15 @@ def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
 
 
-def _skip_decision(segments: Segments) -> Segments:
-    """Mark the first line the model writes (its Thought: the when-to-call decision) as not scored, so the
-    probe measures the skills RL relies on (copying the call, reading the observation), not the choice."""
+def _skip_decision(segments: Segments, decision: str = Corpus.decision) -> Segments:
+    """Mark where the model's first turn decides (a ReAct Thought line, the first token of a chat turn) as not
+    scored, so the probe measures the skills RL relies on (copying the call, reading the observation), not
+    the choice."""
     k = next(i for i, (_, trainable) in enumerate(segments) if trainable)
-    head, sep, rest = segments[k][0].partition("\n")
-    return segments[:k] + [(head + sep, False), (rest, True)] + segments[k + 1:]
+    match = re.match(decision, segments[k][0])
+    cut = match.end() if match else 0
+    head, rest = segments[k][0][:cut], segments[k][0][cut:]
+    return segments[:k] + [(head, False), (rest, True)] + segments[k + 1:]
 
 
 @torch.no_grad()
@@ -231,7 +236,8 @@ def build_base_model(out_dir: str | Path, config: BaseModelConfig | None = None,
         raise RuntimeError(f"base-model training diverged (loss {loss_value}); nothing was saved")
     model.eval()
     probe_tasks = make_tasks(200, seed=config.seed, split="eval")
-    probe = _encode_many(tokenizer, [_skip_decision(demonstrate(t, True, rng)) for t in probe_tasks], tokenizer.eos_token_id)
+    probe = _encode_many(tokenizer, [_skip_decision(demonstrate(t, True, rng), corpus.decision) for t in probe_tasks],
+                         tokenizer.eos_token_id)
     meta = {"config": asdict(config), "final_loss": loss_value,
             "tool_demo_exact_match": demonstration_accuracy(model, probe, tokenizer.pad_token_id), "parameters": sum(p.numel() for p in model.parameters()),
             "train_seconds": round(time.time() - started, 1)}
