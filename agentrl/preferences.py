@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentrl.rollout.engine import Episode
+from agentrl.rollout.engine import Episode, encode_prompt
 
 
 class PreferenceDataError(ValueError):
@@ -50,7 +50,8 @@ def read_preference_rows(source) -> tuple[list[dict], str]:
     return [dict(r) for r in ds], str(source)
 
 
-def _segments(value, field: str, where: str, tokenizer, prompt_messages: list | None) -> list[tuple[str, bool]]:
+def _segments(value, field: str, where: str, tokenizer, prompt_messages: list | None,
+              tools: list[dict] | None = None) -> list[tuple[str, bool]]:
     """A completion as (text, is_assistant) segments. Strings are one assistant segment."""
     if isinstance(value, str):
         if not value.strip():
@@ -66,10 +67,10 @@ def _segments(value, field: str, where: str, tokenizer, prompt_messages: list | 
     if getattr(tokenizer, "chat_template", None) and prompt_messages is not None:
         # Render growing prefixes with the template; each message's segment is the text it adds.
         segments, history = [], list(prompt_messages)
-        previous = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        previous = tokenizer.apply_chat_template(history, tools=tools, tokenize=False, add_generation_prompt=True)
         for m in value:
             history.append(m)
-            text = tokenizer.apply_chat_template(history, tokenize=False)
+            text = tokenizer.apply_chat_template(history, tools=tools, tokenize=False)
             if not text.startswith(previous):
                 raise PreferenceDataError(f"{where}: the chat template rewrites earlier turns; cannot mask by message")
             segments.append((text[len(previous):], m["role"] == "assistant"))
@@ -83,13 +84,15 @@ def tokenize_row(row: dict, tokenizer, where: str, max_length: int, max_prompt_l
     for field in ("prompt", "chosen", "rejected"):
         if field not in row:
             raise PreferenceDataError(f"{where}: missing field {field!r}")
-    prompt = row["prompt"]
+    prompt, tools = row["prompt"], row.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise PreferenceDataError(f"{where}: field 'tools' must be a list of tool schemas (objects)")
     prompt_messages = None
     if isinstance(prompt, list):
         prompt_messages = prompt
         if getattr(tokenizer, "chat_template", None):
-            prompt_ids = tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
-            prompt_ids = list(prompt_ids["input_ids"] if isinstance(prompt_ids, dict) else prompt_ids)
+            text = tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
+            prompt_ids = encode_prompt(tokenizer, text)  # the ids the rollout engine gives the same prompt
         else:
             prompt_ids = tokenizer("".join(m.get("content", "") for m in prompt))["input_ids"]
     elif isinstance(prompt, str):
@@ -105,7 +108,7 @@ def tokenize_row(row: dict, tokenizer, where: str, max_length: int, max_prompt_l
     budget = max_length - len(prompt_ids)
     out = []
     for field in ("chosen", "rejected"):
-        segments = _segments(row[field], field, where, tokenizer, prompt_messages)
+        segments = _segments(row[field], field, where, tokenizer, prompt_messages, tools)
         pieces = tokenizer([t for t, _ in segments], add_special_tokens=False)["input_ids"]
         ids, mask = [], []
         for piece, (_, assistant) in zip(pieces, segments):
@@ -178,9 +181,15 @@ def pair_to_example(best: Episode, worst: Episode) -> PreferenceExample:
 
 
 def pair_to_row(best: Episode, worst: Episode, tokenizer) -> dict:
+    """A JSONL row. Chat episodes keep their messages and tool schemas, so the tokenizer's template renders
+    the row as the policy saw it; other episodes are ReAct text split into assistant and tool runs."""
+    scores = {"chosen_score": best.score, "rejected_score": worst.score}
+    if best.messages is not None and worst.messages is not None:
+        n = next(i for i, m in enumerate(best.messages) if m["role"] == "assistant")  # system + user prompt
+        row = {"prompt": best.messages[:n], "chosen": best.messages[n:], "rejected": worst.messages[n:]}
+        return {**row, **({"tools": best.tools} if best.tools else {}), **scores}
     return {"prompt": tokenizer.decode(best.prompt_ids, skip_special_tokens=True),
-            "chosen": episode_messages(best, tokenizer), "rejected": episode_messages(worst, tokenizer),
-            "chosen_score": best.score, "rejected_score": worst.score}
+            "chosen": episode_messages(best, tokenizer), "rejected": episode_messages(worst, tokenizer), **scores}
 
 
 def write_jsonl(path: str | Path, rows: list[dict]) -> None:

@@ -186,6 +186,11 @@ class ToolEnv:
     def schemas(self) -> list[dict]:
         return list(self.runner.schemas.values())
 
+    @property
+    def messages(self) -> list[dict] | None:
+        """Chat format: the conversation so far as messages (prompt, assistant turns, tool results)."""
+        return self.chat.messages if self.chat is not None else None
+
     def bind_tokenizer(self, tokenizer) -> None:
         """Called by the rollout engine: chat format renders through the tokenizer's template."""
         if self.format == "chat":
@@ -230,6 +235,8 @@ class ToolEnv:
                 observation = self.chat.tool_turn(action, results)
             return StepResult(observation, 0.0, False, self._info(False))
         answer = self._answer(action) if not (calls or errors) else None
+        if self.chat is not None:
+            self.chat.messages.append({"role": "assistant", "content": self.chat.content(action)})
         correct = answer is not None and bool(self.check(self.task, answer))
         r = self.rewards
         reward = (r.correct if correct else r.tool_but_wrong) if self.calls else \

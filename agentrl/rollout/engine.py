@@ -30,6 +30,8 @@ class Episode:
     info: dict = field(default_factory=dict)
     truncated: bool = False  # some turn hit max_new_tokens before its stop pattern or EOS
     done: bool = False
+    messages: list[dict] | None = None  # chat environments: the conversation as messages, prompt included
+    tools: list[dict] | None = None  # chat environments: the tool schemas the template rendered
 
     @property
     def score(self) -> float:
@@ -39,6 +41,13 @@ class Episode:
     @property
     def num_turns(self) -> int:
         return len(self.turn_ends)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Prompt ids as the policy sees them: the tokenizer's special tokens (BOS) added, unless the text
+    already starts with BOS (chat templates that write it, such as Llama 3's), which would double it."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
 
 
 def rollout(
@@ -69,7 +78,7 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator) -> l
     episodes = []
     for env, task in zip(envs, tasks):
         prompt = env.reset(task)
-        episodes.append(Episode(task=task, prompt_ids=tokenizer(prompt)["input_ids"]))
+        episodes.append(Episode(task=task, prompt_ids=encode_prompt(tokenizer, prompt)))
     max_turns = envs[0].max_turns if envs else 0
     stop_patterns = tuple(envs[0].stop_patterns) if envs else ()
     for turn in range(max_turns):
@@ -98,6 +107,9 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator) -> l
                 ep.token_ids += obs_ids
                 ep.loss_mask += [0] * len(obs_ids)
                 ep.logprobs += [0.0] * len(obs_ids)
+    for ep, env in zip(episodes, envs):  # so preference rows can be written as messages, not template text
+        if getattr(env, "messages", None) is not None:
+            ep.messages, ep.tools = list(env.messages), getattr(env, "schemas", None)
     return episodes
 
 

@@ -68,3 +68,12 @@ def test_stop_pattern_ends_the_turn(tiny_base):
         text = tok.decode(s.ids)
         if s.finish == "stop":
             assert text.count("\n") == 1 and text.endswith("\n")
+
+
+def test_prompts_get_one_bos_whether_or_not_the_template_writes_it(tiny_base):
+    from agentrl.rollout.engine import encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(tiny_base)
+    plain = encode_prompt(tok, "Question: What is 1 + 1?\n")
+    written = encode_prompt(tok, tok.bos_token + "Question: What is 1 + 1?\n")  # as Llama 3's template does
+    assert plain == written and plain.count(tok.bos_token_id) == 1

@@ -215,3 +215,32 @@ def test_chat_demonstrations_are_what_the_template_renders(chat_tokenizer):
             observation = env.step(demo[1][0]).observation
             assert observation == demo[2][0]
             assert env.step(demo[3][0]).reward == 1.0
+
+
+def test_chat_preference_rows_are_messages_the_template_renders_back(chat_tokenizer):
+    """Pairs written from chat episodes keep messages and tools, so offline DPO on the file sees the
+    policy's own prompt ids and masks the tool result."""
+    from agentrl.preferences import pair_to_row, tokenize_row
+    from agentrl.rollout import SamplingParams, rollout
+
+    task = {"question": "What is 2 + 3?", "answer": "5"}
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>'
+
+    def episode(turns):
+        script = [i for t in turns for i in chat_tokenizer(t, add_special_tokens=False)["input_ids"]]
+        return rollout(ScriptedLM(script, len(chat_tokenizer)), chat_tokenizer, lambda: CalculatorToolEnv(format="chat"),
+                       [task], SamplingParams(max_new_tokens=256, do_sample=False))[0]
+
+    best, worst = episode([call + "<|im_end|>", "The answer is 5<|im_end|>"]), episode(["I think it is 6<|im_end|>"])
+    row = pair_to_row(best, worst, chat_tokenizer)
+    assert row["prompt"] == [{"role": "user", "content": "What is 2 + 3?"}]
+    assert row["chosen"] == [{"role": "assistant", "content": call}, {"role": "tool", "content": "5"},
+                             {"role": "assistant", "content": "The answer is 5"}]
+    assert row["rejected"] == [{"role": "assistant", "content": "I think it is 6"}]
+    assert row["tools"][0]["function"]["name"] == "calculator"
+    example = tokenize_row(row, chat_tokenizer, "row 1", max_length=512, max_prompt_length=256)
+    assert example.prompt_ids == best.prompt_ids
+    tool_ids = chat_tokenizer("<|im_start|>tool\n5<|im_end|>", add_special_tokens=False)["input_ids"]
+    ids, mask = example.chosen_ids, example.chosen_mask
+    start = next(i for i in range(len(ids)) if ids[i:i + len(tool_ids)] == tool_ids)
+    assert mask[start:start + len(tool_ids)] == [0] * len(tool_ids) and sum(mask) > 0
