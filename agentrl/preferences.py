@@ -50,6 +50,13 @@ def read_preference_rows(source) -> tuple[list[dict], str]:
     return [dict(r) for r in ds], str(source)
 
 
+def _added(text: str, previous: str, where: str) -> str:
+    """What rendering one more message adds to the conversation's text."""
+    if not text.startswith(previous):
+        raise PreferenceDataError(f"{where}: the chat template rewrites earlier turns; cannot mask by message")
+    return text[len(previous):]
+
+
 def _segments(value, field: str, where: str, tokenizer, prompt_messages: list | None,
               tools: list[dict] | None = None) -> list[tuple[str, bool]]:
     """A completion as (text, is_assistant) segments. Strings are one assistant segment."""
@@ -64,20 +71,40 @@ def _segments(value, field: str, where: str, tokenizer, prompt_messages: list | 
             raise PreferenceDataError(f"{where}: field {field!r} message {k} needs string 'role' and 'content'")
     if not any(m["role"] == "assistant" and m["content"].strip() for m in value):
         raise PreferenceDataError(f"{where}: field {field!r} has no assistant message")
-    if getattr(tokenizer, "chat_template", None) and prompt_messages is not None:
-        # Render growing prefixes with the template; each message's segment is the text it adds.
-        segments, history = [], list(prompt_messages)
-        previous = tokenizer.apply_chat_template(history, tools=tools, tokenize=False, add_generation_prompt=True)
-        for m in value:
+    if _templated(tokenizer, prompt_messages):
+        # Render growing prefixes with the template. As in a chat rollout, the mask is 1 on what the policy
+        # writes (an assistant message's content and its turn-end marker) and 0 on the template's scaffolding
+        # (separators, tool messages, the generation prompt before each later assistant turn).
+        from agentrl.envs.chat import turn_end_marker
+
+        def render(messages: list, generation_prompt: bool) -> str:
+            return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                 add_generation_prompt=generation_prompt)
+
+        turn_end, segments, history = turn_end_marker(tokenizer, tools), [], list(prompt_messages)
+        previous = render(history, True)
+        for k, m in enumerate(value):
+            assistant = m["role"] == "assistant"
+            if assistant and k > 0:  # the generation prompt before a later assistant turn: scaffolding
+                text = render(history, True)
+                segments.append((_added(text, previous, where), False))
+                previous = text
             history.append(m)
-            text = tokenizer.apply_chat_template(history, tools=tools, tokenize=False)
-            if not text.startswith(previous):
-                raise PreferenceDataError(f"{where}: the chat template rewrites earlier turns; cannot mask by message")
-            segments.append((text[len(previous):], m["role"] == "assistant"))
+            text = render(history, False)
+            added, own = _added(text, previous, where), m["content"] + turn_end
+            if assistant and added.startswith(own):  # what the policy writes; the separator after it is scaffolding
+                segments += [(own, True), (added[len(own):], False)]
+            else:  # tool messages; or a template that rewrites the content (trims it, renders tool calls, ...)
+                segments.append((added, assistant))
             previous = text
         return segments
     # No chat template: the trajectory is ReAct text, roles implicit; concatenate the contents.
     return [(m["content"], m["role"] == "assistant") for m in value]
+
+
+def _templated(tokenizer, prompt_messages: list | None) -> bool:
+    """Rows whose prompt is a message list are rendered with the tokenizer's chat template, when it has one."""
+    return bool(getattr(tokenizer, "chat_template", None)) and prompt_messages is not None
 
 
 def tokenize_row(row: dict, tokenizer, where: str, max_length: int, max_prompt_length: int) -> PreferenceExample:
@@ -114,7 +141,9 @@ def tokenize_row(row: dict, tokenizer, where: str, max_length: int, max_prompt_l
         for piece, (_, assistant) in zip(pieces, segments):
             ids += piece
             mask += [int(assistant)] * len(piece)
-        if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
+        # A templated completion ends with the turn-end marker the policy samples; anything else ends with EOS.
+        templated = _templated(tokenizer, prompt_messages) and isinstance(row[field], list)
+        if not templated and tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
             ids.append(tokenizer.eos_token_id)
             mask.append(1)
         ids, mask = ids[:budget], mask[:budget]  # truncate the completion, never the prompt

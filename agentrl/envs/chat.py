@@ -25,6 +25,18 @@ def _template_name(tokenizer) -> str:
     return f"the chat template of {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__}"
 
 
+def turn_end_marker(tokenizer, tools: list[dict] | None = None) -> str:
+    """What the template writes right after an assistant message's content (`<|im_end|>`, `<|eot_id|>`):
+    the token the model samples to end its turn."""
+    messages = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": _MARK}]
+    marked = _render(tokenizer, messages, tools, False)
+    after = marked.split(_MARK, 1)[1] if _MARK in marked else ""
+    turn_end = after.strip() or (tokenizer.eos_token or "")
+    if not turn_end:
+        raise TemplateDriftError(f"{_template_name(tokenizer)} marks no end of an assistant turn")
+    return turn_end
+
+
 class ChatRenderer:
     def __init__(self, tokenizer, tools: list[dict], turn_end: str):
         self.tokenizer, self.tools, self.turn_end = tokenizer, tools, turn_end
@@ -44,11 +56,7 @@ class ChatRenderer:
     def _check(tokenizer, tools) -> str:
         """Probe the template once; return its end-of-turn marker (what follows an assistant message)."""
         user = [{"role": "user", "content": "What is 2 + 2?"}]
-        marked = _render(tokenizer, user + [{"role": "assistant", "content": _MARK}], tools, False)
-        after = marked.split(_MARK, 1)[1] if _MARK in marked else ""
-        turn_end = after.strip() or (tokenizer.eos_token or "")
-        if not turn_end:
-            raise TemplateDriftError(f"{_template_name(tokenizer)} marks no end of an assistant turn")
+        turn_end = turn_end_marker(tokenizer, tools)
         call = '<tool_call>{"name": "probe", "arguments": {}}</tool_call>'
         short = _render(tokenizer, user, tools, True)
         long = _render(tokenizer, user + [{"role": "assistant", "content": call}, {"role": "tool", "content": "4"}],

@@ -244,3 +244,6 @@ def test_chat_preference_rows_are_messages_the_template_renders_back(chat_tokeni
     ids, mask = example.chosen_ids, example.chosen_mask
     start = next(i for i in range(len(ids)) if ids[i:i + len(tool_ids)] == tool_ids)
     assert mask[start:start + len(tool_ids)] == [0] * len(tool_ids) and sum(mask) > 0
+    # the mask is 1 on exactly what the policy wrote in the rollout: the same tokens, in the same order
+    assert [t for t, m in zip(ids, mask) if m] == [t for t, m in zip(best.token_ids, best.loss_mask) if m]
+    assert ids[:len(best.token_ids)] == best.token_ids
