@@ -81,7 +81,7 @@ def _auto_class(sequence_classification: bool):
 def load_reward_model(path: str) -> tuple[RewardModel, object]:
     """(reward model, tokenizer) from a directory written by `agentrl reward-model`."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path = Path(path)
     meta_path = path / META_FILE

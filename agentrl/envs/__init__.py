@@ -16,6 +16,7 @@ __all__ = [
     "SearchEnv",
     "StepResult",
     "ToolEnv",
+    "calculator",
     "calculator_demonstration",
     "calculator_tasks",
     "load_object",
