@@ -96,19 +96,23 @@ def lm_logprobs(lm, batch: TokenBatch, temperature: float, return_logits: bool =
 
 
 class MetricsLog:
-    """Appends one JSON object per step to a `.jsonl` file (flushed each row, so a crash loses nothing)."""
+    """One row per step: appended to a `.jsonl` file (flushed each row, so a crash loses nothing) and, where
+    the accelerator has trackers (TensorBoard, W&B, ...), its numbers sent to them."""
 
-    def __init__(self, path: str | Path | None):
+    def __init__(self, path: str | Path | None, accelerator=None):
         self.path = Path(path) if path else None
+        self.accelerator = accelerator
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text("")
 
-    def write(self, row: dict) -> None:
+    def write(self, row: dict, step: int | None = None) -> None:
+        if self.accelerator is not None and self.accelerator.trackers:
+            self.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
         if self.path:
             clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in row.items()}
             with self.path.open("a") as f:
-                f.write(json.dumps(clean) + "\n")
+                f.write(json.dumps(clean if step is None else {"step": step, **clean}) + "\n")
 
 
 class TaskCycler:

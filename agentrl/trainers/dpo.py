@@ -134,7 +134,7 @@ class DPOTrainer:
             self.ref_model.to(self.accelerator.device)
         if config.precompute_ref_log_probs:
             self._precompute_reference()
-        self.metrics_log = MetricsLog(None)
+        self.metrics_log = MetricsLog(None, self.accelerator)
         self.history: list[dict] = []
 
     # --- sequence logprobs ------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ class DPOTrainer:
         from transformers import get_scheduler
 
         cfg = self.config
-        self.metrics_log = MetricsLog(metrics_path) if metrics_path else self.metrics_log
+        self.metrics_log = MetricsLog(metrics_path, self.accelerator) if metrics_path else self.metrics_log
         size, accum = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
         per_epoch = max(1, math.ceil(len(self.examples) / size) // accum)
         total = cfg.max_steps if cfg.max_steps > 0 else max(1, int(per_epoch * cfg.num_train_epochs))
@@ -242,9 +242,7 @@ class DPOTrainer:
                 row.update({"step": step, "learning_rate": scheduler.get_last_lr()[0],
                             "skipped_rows": self.skipped_rows, "elapsed": time.time() - started})
                 self.history.append(row)
-                self.metrics_log.write(row)
-                if self.accelerator.trackers:
-                    self.accelerator.log(row, step=step)
+                self.metrics_log.write(row, step)
                 acc = defaultdict(list)
                 if bar is not None:
                     bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['rewards/accuracies']:.2f}")

@@ -88,7 +88,7 @@ class GRPOTrainer:
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
         if self.ref_model is not None:
             self.ref_model.to(self.accelerator.device)
-        self.metrics_log = MetricsLog(None)
+        self.metrics_log = MetricsLog(None, self.accelerator)
         self.current_step = 0
         if config.log_with:
             self.accelerator.init_trackers(config.tracker_project_name, config={
@@ -109,7 +109,7 @@ class GRPOTrainer:
         sampling = sampling or SamplingParams(temperature=cfg.temperature)
         if abs(sampling.temperature - cfg.temperature) > 1e-9:
             raise ValueError(f"sampling temperature {sampling.temperature} != GRPOConfig.temperature {cfg.temperature}")
-        self.metrics_log = MetricsLog(metrics_path) if metrics_path else self.metrics_log
+        self.metrics_log = MetricsLog(metrics_path, self.accelerator) if metrics_path else self.metrics_log
         cycler, history = TaskCycler(tasks, cfg.seed), []
         bar = progress_bar(steps, cfg.advantage.upper(), progress)
         for _ in range(steps):
@@ -122,9 +122,7 @@ class GRPOTrainer:
             stats = self._update(episodes)
             stats.update(episode_metrics(episodes))
             stats["time/rollout"] = time.time() - started - stats["time/update"]
-            if cfg.log_with:
-                self.accelerator.log(stats, step=self.current_step)
-            self.metrics_log.write({"step": self.current_step, **stats})
+            self.metrics_log.write(stats, self.current_step)
             history.append(stats)
             if callback is not None:
                 callback(self.current_step, stats)

@@ -222,7 +222,7 @@ class PPOTrainer:
                        else FixedKLController(config.init_kl_coef))
         self.running = RunningMoments()
         self.current_step = 0
-        self.metrics_log = MetricsLog(None)
+        self.metrics_log = MetricsLog(None, self.accelerator)
         if config.log_with:
             self.accelerator.init_trackers(config.tracker_project_name, config=_flat_config(config),
                                            init_kwargs=config.tracker_kwargs)
@@ -336,12 +336,7 @@ class PPOTrainer:
         rewards = torch.tensor([float(torch.as_tensor(r)) for r in rewards])
         row = dict(stats)
         row["env/reward_mean"], row["env/reward_std"] = rewards.mean().item(), rewards.std(unbiased=False).item()
-        self._log(row)
-
-    def _log(self, row: dict) -> None:
-        if self.config.log_with:
-            self.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=self.current_step)
-        self.metrics_log.write({"step": self.current_step, **row})
+        self.metrics_log.write(row, self.current_step)
 
     def _scale_scores(self, scores: torch.Tensor) -> torch.Tensor:
         if self.config.use_score_scaling:
@@ -368,7 +363,7 @@ class PPOTrainer:
         if abs(sampling.temperature - self.config.temperature) > 1e-9:
             raise ValueError(f"sampling temperature {sampling.temperature} != PPOConfig.temperature "
                              f"{self.config.temperature}; logprobs must be computed at the sampling temperature")
-        self.metrics_log = MetricsLog(metrics_path) if metrics_path else self.metrics_log
+        self.metrics_log = MetricsLog(metrics_path, self.accelerator) if metrics_path else self.metrics_log
         cycler, history = TaskCycler(tasks, self.config.seed), []
         bar = progress_bar(steps, "PPO", progress)
         for _ in range(steps):
@@ -382,7 +377,7 @@ class PPOTrainer:
                                                    self.config.missing_eos_penalty))
             stats.update(episode_metrics(episodes))
             stats["time/rollout"] = rollout_seconds
-            self._log(stats)
+            self.metrics_log.write(stats, self.current_step)
             history.append(stats)
             if callback is not None:
                 callback(self.current_step, stats)
