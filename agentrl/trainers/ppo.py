@@ -90,6 +90,7 @@ class PPOConfig:
     whiten_advantages: bool = True  # whiten advantages over the mask (TRL always does)
     entropy_coef: float = 0.0  # entropy bonus (usually 0)
     value_head_init_std: float = 0.0  # value head init: 0 = zeros
+    value_learning_rate: float | None = None  # the value head's own learning rate (None: learning_rate), see __init__
     missing_eos_penalty: float | None = None  # subtracted from the score of episodes cut by max_new_tokens
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"  # accelerate's mixed precision
     project_dir: str | None = None  # where trackers write (tensorboard logs)
@@ -206,7 +207,14 @@ class PPOTrainer:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters")
-        self.optimizer = optimizer or torch.optim.Adam(params, lr=config.learning_rate, eps=config.adam_eps)
+        # The zero-initialised value head gets its own learning rate: Adam moves each weight by about lr a step,
+        # so at a LoRA policy's lr the critic needs hundreds of steps to reach the mean return and explains
+        # nothing meanwhile (docs/sampled-accuracy.md). Separate critic rates are the norm in RLHF PPO
+        # (OpenRLHF's critic_learning_rate, verl's critic.optim.lr).
+        head = [p for p in model.v_head.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if all(p is not h for h in head)]},
+                  {"params": head, "lr": config.value_learning_rate or config.learning_rate}]
+        self.optimizer = optimizer or torch.optim.Adam(groups, lr=config.learning_rate, eps=config.adam_eps)
         self.lr_scheduler = lr_scheduler
         self.dataset = self._prepare_dataset(dataset) if dataset is not None else None
         self.dataloader = None
