@@ -28,7 +28,8 @@ from agentrl.models.value_head import AutoModelForCausalLMWithValueHead
 from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams, sample_batch
 from agentrl.trainers.common import (MetricsLog, TaskCycler, TokenBatch, build_batch, episodes_to_batch,
-                                     finite_or_raise, lm_logprobs, policy_forward, progress_bar)
+                                     finite_or_raise, lm_logprobs, norm_gain_parameters, optimizer_groups,
+                                     policy_forward, progress_bar)
 
 
 @dataclass
@@ -91,6 +92,7 @@ class PPOConfig:
     entropy_coef: float = 0.0  # entropy bonus (usually 0)
     value_head_init_std: float = 0.0  # value head init: 0 = zeros
     value_learning_rate: float | None = None  # the value head's own learning rate (None: learning_rate), see __init__
+    norm_learning_rate: float | None = None  # learning rate of trainable norm gains (None: learning_rate)
     missing_eos_penalty: float | None = None  # subtracted from the score of episodes cut by max_new_tokens
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"  # accelerate's mixed precision
     project_dir: str | None = None  # where trackers write (tensorboard logs)
@@ -207,13 +209,11 @@ class PPOTrainer:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters")
-        # The zero-initialised value head gets its own learning rate: Adam moves each weight by about lr a step,
-        # so at a LoRA policy's lr the critic needs hundreds of steps to reach the mean return and explains
-        # nothing meanwhile (docs/sampled-accuracy.md). Separate critic rates are the norm in RLHF PPO
-        # (OpenRLHF's critic_learning_rate, verl's critic.optim.lr).
+        # The value head and the norm gains may get their own learning rates (see optimizer_groups). A separate
+        # critic rate is the norm in RLHF PPO (OpenRLHF's critic_learning_rate, verl's critic.optim.lr).
         head = [p for p in model.v_head.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if all(p is not h for h in head)]},
-                  {"params": head, "lr": config.value_learning_rate or config.learning_rate}]
+        groups = optimizer_groups(params, config.learning_rate, [(head, config.value_learning_rate),
+                                                                 (norm_gain_parameters(model), config.norm_learning_rate)])
         self.optimizer = optimizer or torch.optim.Adam(groups, lr=config.learning_rate, eps=config.adam_eps)
         self.lr_scheduler = lr_scheduler
         self.dataset = self._prepare_dataset(dataset) if dataset is not None else None
