@@ -5,6 +5,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")  # tests never log in anywhere (the tutorial asks for log_with="wandb")
 
 
 @pytest.fixture(scope="session")
