@@ -27,11 +27,11 @@ def main() -> None:
     overrides = [f"out_dir={run_dir}", "progress=false", *args.overrides]
     started = time.time()
     if args.algo == "dpo" or args.config == "dpo":
-        from agentrl.dpo_pipeline import load_dpo_job, run_dpo_job
+        from agentrl.jobs.dpo import load_dpo_job, run_dpo_job
 
         summary = run_dpo_job(load_dpo_job(args.config, overrides))
     else:
-        from agentrl.pipeline import load_job, run_job
+        from agentrl.jobs.ppo import load_job, run_job
 
         summary = run_job(load_job(args.config, ([f"algo={args.algo}"] if args.algo else []) + overrides))
     row = {"name": args.name, "config": args.config, "overrides": args.overrides,

@@ -69,9 +69,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
-    from agentrl.envs.base import make_env
-    from agentrl.evaluate import load_policy
-    from agentrl.pipeline import load_job, load_tasks
+    from agentrl.envs.base import load_tasks, make_env
+    from agentrl.jobs.evaluate import load_policy
+    from agentrl.jobs.ppo import load_job
     from agentrl.rollout.engine import rollout
     from agentrl.rollout.sampling import SamplingParams
 

@@ -3,11 +3,12 @@
 import pytest
 import torch
 
-from agentrl.pipeline import ModelSection, add_lora, load_job, norm_module_names, run_job
+from agentrl.jobs.common import ModelSection, add_lora, norm_module_names
+from agentrl.jobs.ppo import load_job, run_job
 
 
 def test_lora_trains_the_norm_gains_and_the_reference_stays_the_base(tiny_base):
-    from agentrl.evaluate import load_policy
+    from agentrl.jobs.evaluate import load_policy
 
     model, _ = load_policy(tiny_base)
     assert norm_module_names(model) == ["input_layernorm", "norm", "post_attention_layernorm"]
