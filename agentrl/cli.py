@@ -1,4 +1,4 @@
-"""`agentrl` command line: base-model, ppo, eval, quickstart."""
+"""`agentrl` command line: base-model, ppo, eval, quickstart, report."""
 
 from __future__ import annotations
 
@@ -121,6 +121,24 @@ def _cmd_eval(args) -> int:
     return 0
 
 
+def _cmd_report(args) -> int:
+    from agentrl.jobs.report import screenshot, shrink_png, write_compare, write_report
+
+    if args.compare:
+        if args.run:
+            raise SystemExit("agentrl report: give RUN_DIR or --compare RUN_A RUN_B, not both")
+        path = write_compare(*args.compare, out=args.out)
+    elif args.run:
+        path = write_report(args.run, out=args.out)
+    else:
+        raise SystemExit("agentrl report: give RUN_DIR or --compare RUN_A RUN_B")
+    print(f"report: {path}")
+    if args.screenshot:
+        shrink_png(screenshot(path, args.screenshot))
+        print(f"screenshot: {args.screenshot}")
+    return 0
+
+
 def _print_summary(summary: dict) -> None:
     rows = [("", "before", "after")]
     for key in ("accuracy", "tool_call_rate", "mean_score", "format_error_rate", "mean_turns"):
@@ -191,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/quickstart")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the quickstart config")
     p.set_defaults(func=_cmd_quickstart)
+
+    p = sub.add_parser("report", help="write RUN_DIR/report.html: summary, curves and episodes of a run")
+    p.add_argument("run", nargs="?", help="a run directory (out_dir of a ppo/grpo/dpo job)")
+    p.add_argument("--compare", nargs=2, metavar=("RUN_A", "RUN_B"), help="overlay two runs' curves")
+    p.add_argument("--out", default=None, help="HTML file to write (default: in the (first) run directory)")
+    p.add_argument("--screenshot", default=None, help="also save a PNG of the page (needs Chromium)")
+    p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("eval", help="evaluate a model (and adapter) on held-out tasks")
     p.add_argument("--model", required=True)
