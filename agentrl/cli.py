@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def _cmd_base_model(args) -> int:
@@ -80,8 +81,9 @@ def _cmd_compare(args) -> int:
 
     env_kwargs = json.loads(args.env_kwargs) if args.env_kwargs else {}
     tasks = load_tasks(args.task_source, args.tasks, args.seed, "eval")
+    samples_path = args.samples_out or (str(Path(args.out).with_name("samples.jsonl")) if args.out else None)
     result = compare(args.a, args.b, lambda: make_env(args.env, env_kwargs), tasks, args.judge, greedy=not args.sample,
-                     max_new_tokens=args.max_new_tokens, seed=args.seed)
+                     max_new_tokens=args.max_new_tokens, seed=args.seed, samples_path=samples_path)
     low, high = result["ci95"]
     print(f"A: {args.a}\nB: {args.b}\njudge: {args.judge}, {result['n']} tasks")
     print(f"A wins {result['wins']}, ties {result['ties']}, losses {result['losses']}; "
@@ -92,6 +94,8 @@ def _cmd_compare(args) -> int:
         from agentrl.evaluate import write_json
 
         write_json(args.out, result)
+    if samples_path:
+        print(f"A/B episodes: {samples_path} (agentrl report {Path(samples_path).parent})")
     return 0
 
 
@@ -203,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--judge", default="env", help="env, or reward-model:PATH")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--out", default=None, help="also write the result to this JSON file")
+    p.add_argument("--samples-out", default=None,
+                   help="A/B episodes for `agentrl report` (default: samples.jsonl beside --out)")
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("quickstart", help="base model -> eval -> PPO -> eval, on the calculator")

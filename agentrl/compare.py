@@ -37,7 +37,10 @@ def count_outcomes(scores_a: list[float], scores_b: list[float]) -> dict:
 
 
 def compare(spec_a: str, spec_b: str, env_factory, tasks: list[dict], judge: str = "env", greedy: bool = True,
-            temperature: float = 1.0, max_new_tokens: int = 48, seed: int = 0, show: int = 3) -> dict:
+            temperature: float = 1.0, max_new_tokens: int = 48, seed: int = 0, show: int = 3,
+            samples_path: str | None = None, samples: int = 50) -> dict:
+    """Win-rate of A against B; `samples_path`: also write the first `samples` A/B episode pairs there
+    (samples.jsonl, kind "compare") for `agentrl report`."""
     from agentrl.evaluate import load_policy
     from agentrl.rollout.engine import rollout
     from agentrl.rollout.sampling import SamplingParams
@@ -61,6 +64,13 @@ def compare(spec_a: str, spec_b: str, env_factory, tasks: list[dict], judge: str
     else:
         raise ValueError(f"judge must be 'env' or 'reward-model:PATH', got {judge!r}")
     result = count_outcomes(*scores)
+    if samples_path:
+        from agentrl.samples import SamplesLog
+
+        SamplesLog(samples_path, every=1, per_step=samples, source="compare").write_pairs(
+            0, list(zip(runs[0][0], runs[1][0])), kind="compare", names=("a", "b"),
+            extra=[{"name_a": f"A: {spec_a}", "name_b": f"B: {spec_b}", "score_a": sa, "score_b": sb}
+                   for sa, sb in zip(*scores)], tokenizers=(runs[0][1], runs[1][1]))
     result["judge"] = judge
     result["samples"] = [
         {"task": tasks[i].get("question", str(tasks[i])),

@@ -130,14 +130,17 @@ class SamplesLog:
                       for i in pick(episodes, self.per_step)])
 
     def write_pairs(self, step: int, pairs: list[tuple[Episode, Episode]], kind: str = "pair",
-                    names: tuple[str, str] = ("chosen", "rejected"), extra: list[dict] | None = None) -> None:
-        """(chosen, rejected) pairs (iterative DPO), or A/B episodes (compare, kind="compare", names a, b)."""
-        if self.path is None or (kind == "pair" and step % self.every):
+                    names: tuple[str, str] = ("chosen", "rejected"), extra: list[dict] | None = None,
+                    tokenizers: tuple | None = None) -> None:
+        """(chosen, rejected) pairs (iterative DPO: step = round), or A/B episodes (compare: kind="compare",
+        names ("a", "b"), each side decoded by its own tokenizer)."""
+        if self.path is None or step % self.every:
             return
+        tok_x, tok_y = tokenizers or (self.tokenizer, self.tokenizer)
         rows = []
         for i, (x, y) in enumerate(pairs[: self.per_step]):
             rows.append({"kind": kind, "step": step, "source": self.source, "index": i,
-                         names[0]: episode_record(x, self.tokenizer), names[1]: episode_record(y, self.tokenizer),
+                         names[0]: episode_record(x, tok_x), names[1]: episode_record(y, tok_y),
                          **(extra[i] if extra else {})})
         self._append(rows)
 

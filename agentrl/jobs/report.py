@@ -175,6 +175,15 @@ def _fmt(x, nd: int = 3) -> str:
     return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
+def _first_last(metrics: list[dict], key: str) -> tuple[float | None, float | None]:
+    """Mean of `key` over the first and over the last tenth of the steps (at least one step each)."""
+    ys = _series(metrics, [key])[1]
+    if not ys:
+        return None, None
+    k = max(len(ys) // 10, 1)
+    return sum(ys[:k]) / k, sum(ys[-k:]) / k
+
+
 def summary_html(runs: list[dict]) -> str:
     """Headline cards (first run) and the before/after table, sampled before greedy."""
     parts = []
@@ -193,6 +202,11 @@ def summary_html(runs: list[dict]) -> str:
             cls = "up" if good and abs(y - x) > 1e-9 else ("down" if abs(y - x) > 1e-9 else "flat")
             parts.append(f'<div class="card {cls}"><div class="lab">{esc(label)}</div><div class="big">'
                          f'{x:.2f} &rarr; {y:.2f}</div><div class="lab">before &rarr; after training</div></div>')
+        first, last = _first_last(runs[0]["metrics"], "env/tool_call_rate")
+        if first is not None:
+            parts.append(f'<div class="card {"up" if last > first else "flat"}"><div class="lab">training episodes '
+                         f'calling a tool</div><div class="big">{first:.2f} &rarr; {last:.2f}</div>'
+                         f'<div class="lab">first &rarr; last steps</div></div>')
         parts.append("</div>")
     columns = [(r, dec, x) for r in runs for dec, pair in (("sampled (T=1)", ("before_sampled", "after_sampled")),
                                                           ("greedy", ("before", "after")))
@@ -218,19 +232,20 @@ def summary_html(runs: list[dict]) -> str:
 
 
 def verdict(ep: dict) -> str:
-    """Why an episode failed, in words, from what the environment reported."""
+    """What happened in an episode, in words, from what the environment reported: why it failed."""
     info = ep.get("info") or {}
     expected, got = ep.get("answer"), ep.get("prediction")
+    calls = info.get("tool_calls", 0)
+    used = f"after {calls} tool call{'s' if calls != 1 else ''}" if calls else "without calling the tool"
     if ep.get("correct"):
-        return f"correct: {got!s}" + (" (with the tool)" if info.get("tool_calls") else " (without the tool)")
-    if ep.get("truncated"):
-        return f"cut off at max_new_tokens (expected {expected})"
+        return f"correct answer {got!s} {used}"
+    reasons = []
     if info.get("format_errors") or info.get("tool_failures"):
-        return f"malformed or failed tool call (expected {expected})"
-    if got is None:
-        return f"no answer given (expected {expected})"
-    how = "after calling the tool" if info.get("tool_calls") else "without calling the tool"
-    return f"wrong answer {got!s} {how} (expected {expected})"
+        reasons.append("malformed or failed tool call")
+    if ep.get("truncated"):
+        reasons.append("cut off at max_new_tokens")
+    reasons.append(f"no answer {used}" if got is None else f"wrong answer {got!s} {used}")
+    return "; ".join(reasons) + (f" (expected {expected})" if expected is not None else "")
 
 
 def _num_attr(name: str, value) -> str:
@@ -376,6 +391,9 @@ window.addEventListener('DOMContentLoaded', () => {
     if (e) e.addEventListener('change', applyFilters); });
   document.getElementById('f-colour').addEventListener('change', colour);
   document.getElementById('f-prompt').addEventListener('change', prompts);
+  // a link can preset the controls: report.html#colour=adv&f-correct=0
+  new URLSearchParams(location.hash.slice(1)).forEach((v, k) => {
+    const e = document.getElementById(k.startsWith('f-') ? k : 'f-' + k); if (e) e.value = v; });
   applyFilters(); colour(); prompts();
 });
 """
@@ -476,7 +494,7 @@ def find_browser() -> str | None:
 
 
 def screenshot(html_path: str | Path, png_path: str | Path, width: int = 1280, height: int = 1600,
-               timeout: float = 120) -> Path:
+               timeout: float = 120, fragment: str = "") -> Path:
     """Render a page in headless Chromium (no network, fresh profile) and save a PNG of the first screen."""
     browser = find_browser()
     if browser is None:
@@ -487,7 +505,7 @@ def screenshot(html_path: str | Path, png_path: str | Path, width: int = 1280, h
         cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
                f"--user-data-dir={profile}", f"--window-size={width},{height}", "--virtual-time-budget=3000",
-               f"--screenshot={png_path}", Path(html_path).resolve().as_uri()]
+               f"--screenshot={png_path}", Path(html_path).resolve().as_uri() + (f"#{fragment}" if fragment else "")]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if not png_path.exists():
         raise RuntimeError(f"chromium wrote no screenshot (exit {proc.returncode}): {proc.stderr[-500:]}")
