@@ -136,7 +136,7 @@ def _cmd_report(args) -> int:
         path = write_report(args.run, out=args.out)
     else:
         raise SystemExit("agentrl report: give RUN_DIR or --compare RUN_A RUN_B")
-    print(f"report: {path}")
+    print(f"report: {Path(path).resolve()}")
     if args.screenshot:
         shrink_png(screenshot(path, args.screenshot))
         print(f"screenshot: {args.screenshot}")
