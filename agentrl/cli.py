@@ -138,7 +138,9 @@ def _cmd_report(args) -> int:
         raise SystemExit("agentrl report: give RUN_DIR or --compare RUN_A RUN_B")
     print(f"report: {Path(path).resolve()}")
     if args.screenshot:
-        shrink_png(screenshot(path, args.screenshot))
+        # 1280 px wide, the summary, the curves and the first episodes; Chromium leaves the last rows of a
+        # tall headless window blank, so they are cropped off
+        shrink_png(screenshot(path, args.screenshot, width=1280, height=2400), max_height=2250)
         print(f"screenshot: {args.screenshot}")
     return 0
 

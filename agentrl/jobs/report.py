@@ -512,11 +512,14 @@ def screenshot(html_path: str | Path, png_path: str | Path, width: int = 1280, h
     return png_path
 
 
-def shrink_png(path: str | Path, max_width: int = 1100, colours: int = 128) -> None:
-    """Scale down and palette-quantize a screenshot so it is small enough to keep in the repository."""
+def shrink_png(path: str | Path, max_width: int = 1000, colours: int = 128, max_height: int | None = None) -> None:
+    """Crop to `max_height`, scale down and palette-quantize a screenshot so it is small enough to keep in a
+    repository (the README's docs/report.png)."""
     from PIL import Image
 
     img = Image.open(path).convert("RGB")
+    if max_height and img.height > max_height:
+        img = img.crop((0, 0, img.width, max_height))
     if img.width > max_width:
         img = img.resize((max_width, round(img.height * max_width / img.width)), Image.LANCZOS)
     img.quantize(colours, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
