@@ -1,10 +1,16 @@
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# No test touches the network, W&B included: where wandb is installed, `log_with="wandb"` runs offline and
+# writes under a temporary directory unless the job names one.
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("WANDB_DIR", tempfile.mkdtemp(prefix="agentrl-wandb-"))
 
 
 @pytest.fixture(scope="session")

@@ -155,7 +155,8 @@ def _wandb_records(path: Path):
 
 @pytest.mark.slow
 def test_wandb_offline_run_reads_back(tiny_base, tmp_path, monkeypatch):
-    pytest.importorskip("wandb", reason="wandb is not installed (pip install agentrl[wandb])")
+    wandb = pytest.importorskip("wandb", reason="wandb is not installed (pip install agentrl[wandb])")
+    wandb.finish()  # a run an earlier test left open would otherwise receive this job's rows
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
