@@ -40,7 +40,7 @@ PANELS = [
     ("Truncation and format errors", [("truncated", ["env/truncation_rate"]),
                                       ("format errors", ["env/format_error_rate"]),
                                       ("tool failures", ["tools/failure_rate"])]),
-    ("Logprob mismatch", [("sampler vs trainer", ["logprob_mismatch", "objective/logprob_mismatch",
+    ("Logprob mismatch, sampler vs trainer", [("mean |difference| per token", ["logprob_mismatch", "objective/logprob_mismatch",
                                                   "rollout/logprob_mismatch"])]),
     ("DPO loss", [("loss", ["loss"])]),
     ("DPO reward accuracy and margin", [("accuracy", ["rewards/accuracies"]), ("margin", ["rewards/margins"])]),
@@ -236,11 +236,13 @@ def verdict(ep: dict) -> str:
     info = ep.get("info") or {}
     expected, got = ep.get("answer"), ep.get("prediction")
     calls = info.get("tool_calls", 0)
-    used = f"after {calls} tool call{'s' if calls != 1 else ''}" if calls else "without calling the tool"
+    bad_calls = info.get("format_errors") or info.get("tool_failures")
+    used = (f"after {calls} tool call{'s' if calls != 1 else ''}" if calls else
+            "with no successful tool call" if bad_calls else "without calling the tool")
     if ep.get("correct"):
         return f"correct answer {got!s} {used}"
     reasons = []
-    if info.get("format_errors") or info.get("tool_failures"):
+    if bad_calls:
         reasons.append("malformed or failed tool call")
     if ep.get("truncated"):
         reasons.append("cut off at max_new_tokens")
