@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from agentrl.checkpoint import write_text_atomically
 from agentrl.samples import read_samples
 
 # Curve panels: (title, [(series label, [metric keys, first present wins])]). A panel is drawn when one of its
@@ -460,12 +461,17 @@ def render(runs: list[dict], title: str) -> str:
 """
 
 
+def _ascii(page: str) -> str:
+    """Non-ASCII characters as HTML character references: the file reads the same whatever the locale."""
+    return page.encode("ascii", "xmlcharrefreplace").decode("ascii")
+
+
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """RUN_DIR/report.html (or `out`) for one run; returns its path."""
     run = load_run(run_dir)
     algo = run["summary"].get("algo", "")
     path = Path(out) if out else run["dir"] / "report.html"
-    _write(path, render([run], f"agentrl report: {run['name']}" + (f" ({algo})" if algo else "")))
+    write_text_atomically(path, _ascii(render([run], f"agentrl report: {run['name']}" + (f" ({algo})" if algo else ""))))
     return path
 
 
@@ -475,15 +481,19 @@ def write_compare(run_a: str | Path, run_b: str | Path, out: str | Path | None =
     if a["name"] == b["name"]:
         a["name"], b["name"] = str(a["dir"]), str(b["dir"])
     path = Path(out) if out else a["dir"] / f"compare-{Path(run_b).name}.html"
-    _write(path, render([a, b], f"agentrl: {a['name']} vs {b['name']}"))
+    write_text_atomically(path, _ascii(render([a, b], f"agentrl: {a['name']} vs {b['name']}")))
     return path
 
 
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+def run_report(run: str | None, compare: list[str] | None = None, out: str | None = None,
+               screenshot_png: str | None = None) -> Path:
+    """`agentrl report`: one run's report, or two runs compared; optionally a PNG of it (the README's picture:
+    1280 px wide, the summary, the curves and the first episodes)."""
+    path = write_compare(*compare, out=out) if compare else write_report(run, out=out)
+    if screenshot_png:
+        # Chromium leaves the last rows of a tall headless window blank: they are cropped off
+        shrink_png(screenshot(path, screenshot_png, width=1280, height=2400), max_height=2250)
+    return path
 
 
 # --- screenshots (tests and the README's picture) ----------------------------------------------------------

@@ -1,7 +1,9 @@
-"""Pairwise comparison of two policies on the same tasks and seeds (seed 003's before/after win-rate)."""
+"""The job behind `agentrl compare`: two policies on the same tasks and seeds, win-rate with a 95% interval
+(seed 003's before/after comparison)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -41,7 +43,7 @@ def compare(spec_a: str, spec_b: str, env_factory, tasks: list[dict], judge: str
             samples_path: str | None = None, samples: int = 50) -> dict:
     """Win-rate of A against B; `samples_path`: also write the first `samples` A/B episode pairs there
     (samples.jsonl, kind "compare") for `agentrl report`."""
-    from agentrl.evaluate import load_policy
+    from agentrl.jobs.evaluate import load_policy
     from agentrl.rollout.engine import rollout
     from agentrl.rollout.sampling import SamplingParams
 
@@ -54,7 +56,7 @@ def compare(spec_a: str, spec_b: str, env_factory, tasks: list[dict], judge: str
     if judge == "env":
         scores = [[ep.score for ep in eps] for eps, _ in runs]
     elif judge.startswith("reward-model:"):
-        from agentrl.reward_model import RewardModelScorer
+        from agentrl.trainers.reward import RewardModelScorer
 
         scores = []
         for eps, tok in runs:
@@ -77,4 +79,21 @@ def compare(spec_a: str, spec_b: str, env_factory, tasks: list[dict], judge: str
          "a": runs[0][1].decode(runs[0][0][i].token_ids, skip_special_tokens=True), "score_a": scores[0][i],
          "b": runs[1][1].decode(runs[1][0][i].token_ids, skip_special_tokens=True), "score_b": scores[1][i]}
         for i in range(min(show, len(tasks)))]
+    return result
+
+
+def run_compare(a: str, b: str, env: str, env_kwargs: str | None, task_source: str, tasks: int, seed: int,
+                judge: str, sample: bool, max_new_tokens: int, out: str | None,
+                samples_path: str | None = None) -> dict:
+    """`agentrl compare`: held-out tasks of `task_source`, compared, written to `out` if set; the A/B episodes
+    to `samples_path` (for `agentrl report`)."""
+    from agentrl.checkpoint import write_json
+    from agentrl.envs.base import load_tasks, make_env
+
+    kwargs = json.loads(env_kwargs) if env_kwargs else {}
+    task_list = load_tasks(task_source, tasks, seed, "eval")
+    result = compare(a, b, lambda: make_env(env, kwargs), task_list, judge, greedy=not sample,
+                     max_new_tokens=max_new_tokens, seed=seed, samples_path=samples_path)
+    if out:
+        write_json(out, result)
     return result
