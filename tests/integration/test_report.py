@@ -156,9 +156,11 @@ def _wandb_records(path: Path):
 @pytest.mark.slow
 def test_wandb_offline_run_reads_back(tiny_base, tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb", reason="wandb is not installed (pip install agentrl[wandb])")
-    wandb.finish()  # a run an earlier test left open would otherwise receive this job's rows
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    # a run or a W&B session an earlier test left (conftest's WANDB_MODE=disabled) would keep its settings
+    wandb.finish()
+    wandb.teardown()
     out = tmp_path / "run"
     assert main(["grpo", "--config", "grpo", f"model.base={tiny_base}", f"out_dir={out}", "steps=2",
                  "grpo.tasks_per_step=2", "grpo.num_generations=2", "env.name=agentrl.envs:CalculatorEnv",
