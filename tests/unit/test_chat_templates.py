@@ -8,12 +8,16 @@ each appended segment is the template's own text for the tool results, ending wi
 import datetime
 import json
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from transformers import AutoTokenizer
 
+import agentrl
+from agentrl.config import apply_overrides
 from agentrl.envs import ToolEnv, calculator, detect_tool_parser, make_env
 from agentrl.envs import parse_llama3_json_tool_calls, parse_mistral_tool_calls
 from agentrl.envs.calculator import numeric_match
@@ -226,9 +230,11 @@ def test_template_arguments_reach_the_template(tiny_base):
     (segment,) = appended_segments(tok, ep, model, pieces)
     assert segment.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert ep.info["correct"] and ep.chat_template_kwargs == kwargs
-    # YAML env kwargs reach the environment the same way
-    env = make_env("agentrl.envs:CalculatorToolEnv", {"format": "chat", "tool_parser": "llama3_json",
-                                                      "chat_template_kwargs": kwargs})
+    # the same keys in a YAML config's env kwargs (here as command-line overrides of the shipped chat config)
+    config = yaml.safe_load((Path(agentrl.__file__).parent / "configs" / "chat.yaml").read_text())
+    config = apply_overrides(config, ["env.kwargs.tool_parser=llama3_json",
+                                      "env.kwargs.chat_template_kwargs.enable_thinking=false"])
+    env = make_env(config["env"]["name"], config["env"]["kwargs"])
     assert env.tool_parser == "llama3_json" and env.chat_template_kwargs == kwargs
     with pytest.raises(ValueError, match="tool_parser must be one of hermes, llama3_json, mistral"):
         ToolEnv([calculator], check=numeric_match, format="chat", tool_parser="qwen")
