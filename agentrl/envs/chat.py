@@ -155,7 +155,8 @@ class ChatRenderer:
     def __init__(self, tokenizer, tools: list[dict], turn_end: str, template_kwargs: dict | None = None):
         self.tokenizer, self.tools, self.turn_end = tokenizer, tools, turn_end
         self.template_kwargs = dict(template_kwargs or {})
-        special = set(getattr(tokenizer, "all_special_tokens", ())) | set(getattr(tokenizer, "added_tokens_encoder", {}))
+        special = set(getattr(tokenizer, "all_special_tokens", ()))
+        special |= set(getattr(tokenizer, "added_tokens_encoder", {}))
         self.turn_ends = (turn_end,) + tuple(t for t in _EXTRA_TURN_ENDS if t in special and t != turn_end)
         self.messages: list[dict] = []
 
