@@ -147,3 +147,12 @@ def test_reward_adapter_scores_with_its_own_head(gpt2_dir, tmp_path):
     assert not any(p.requires_grad for n, p in model.named_parameters() if "reward" in n or "score" in n)
     with pytest.raises(ValueError, match="reward modeling adapter"):
         AutoModelForCausalLMWithValueHead.from_pretrained(gpt2_dir).compute_reward_score(ids)
+
+
+def test_sentiment_example_runs(tiny_base):
+    """examples/sentiment_ppo.py (TRL 0.11's sentiment example): classifier reward, reference responses, log_stats."""
+    from examples.sentiment_ppo import main
+
+    history = main(tiny_base, steps=2, batch_size=4, mini_batch_size=2)
+    assert len(history) == 2
+    assert all(np.isfinite([h["reward"], h["ref_reward"], h["kl"]]).all() for h in history)
