@@ -1,0 +1,105 @@
+"""What every job shares: the model, environment and rollout sections of its config, the held-out split,
+and the `Run` a job starts from (base model, tokenizer, environment factory, held-out tasks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agentrl.envs.base import load_tasks, make_env
+from agentrl.models.tiny import BaseModelConfig
+
+CONFIG_DIR = Path(__file__).parent.parent / "configs"
+
+
+@dataclass
+class ModelSection:
+    base: str = "embedded"  # a local model directory, or "embedded" to build/reuse the tiny default
+    base_dir: str = "runs/base-model"  # where the embedded model is built and cached
+    builder: BaseModelConfig = field(default_factory=BaseModelConfig)  # how the embedded model is built
+    lora: bool = True  # train a LoRA adapter (reference = adapter disabled); False: full fine-tuning
+    lora_r: int = 16  # LoRA rank
+    lora_alpha: int = 32  # LoRA alpha
+    lora_dropout: float = 0.0  # LoRA dropout (the trainer runs in eval mode, so it is off either way)
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
+class EnvSection:
+    name: str = "agentrl.envs:CalculatorEnv"  # "module:Class" of the environment
+    kwargs: dict = field(default_factory=dict)  # passed to the environment's constructor
+    tasks: str = "agentrl.envs:calculator_tasks"  # "module:function(n, seed, split)" or a .jsonl file
+    train_tasks: int = 4000  # training tasks drawn (split "train")
+    eval_tasks: int = 200  # held-out tasks (split "eval"), never seen in SFT or PPO
+
+
+@dataclass
+class RolloutSection:
+    max_new_tokens: int = 48  # per model turn
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+
+
+def resolve_config_path(name: str) -> Path:
+    """A path, or the name of a config shipped with agentrl (`quickstart` -> agentrl/configs/quickstart.yaml)."""
+    path = Path(name)
+    if path.exists():
+        return path
+    shipped = CONFIG_DIR / f"{name.removesuffix('.yaml')}.yaml"
+    return shipped if shipped.exists() else path
+
+
+@dataclass
+class Run:
+    """What every job starts from: the base model, its tokenizer, the environment and the held-out tasks."""
+
+    base_dir: str
+    model: object
+    tokenizer: object
+    env_factory: object
+    eval_tasks: list[dict]
+    max_new_tokens: int
+    eval_seed: int
+
+    def evaluate_both(self, model, temperature: float) -> dict:
+        """Greedy and sampled metrics on the same held-out tasks and seed."""
+        from agentrl.jobs.evaluate import evaluate
+
+        kw = {"max_new_tokens": self.max_new_tokens, "seed": self.eval_seed}
+        return {"greedy": evaluate(model, self.tokenizer, self.env_factory, self.eval_tasks, True, **kw),
+                "sampled": evaluate(model, self.tokenizer, self.env_factory, self.eval_tasks, False, temperature, **kw)}
+
+    def train_tasks(self, spec: str, n: int, seed: int) -> list[dict]:
+        """Training tasks with every held-out task removed; an error if none remain."""
+        held_out = {t.get("question", str(t)) for t in self.eval_tasks}
+        tasks = [t for t in load_tasks(spec, n, seed, "train") if t.get("question", str(t)) not in held_out]
+        if not tasks or not self.eval_tasks:
+            raise ValueError(f"{spec}: {len(tasks)} training tasks remain after removing the "
+                             f"{len(self.eval_tasks)} held-out ones; both must be non-empty")
+        return tasks
+
+
+def prepare_run(model_cfg: ModelSection, env_cfg: EnvSection, rollout_cfg: RolloutSection, eval_seed: int,
+                progress: bool) -> Run:
+    from agentrl.jobs.base_model import build_base_model
+    from agentrl.jobs.evaluate import load_policy
+
+    base_dir = model_cfg.base
+    if base_dir == "embedded":
+        base_dir = str(build_base_model(model_cfg.base_dir, model_cfg.builder, progress=progress))
+    model, tokenizer = load_policy(base_dir)
+    env_factory = lambda: make_env(env_cfg.name, env_cfg.kwargs)  # noqa: E731
+    env_factory()  # fail early on a bad environment spec
+    eval_tasks = load_tasks(env_cfg.tasks, env_cfg.eval_tasks, eval_seed, "eval")
+    return Run(base_dir, model, tokenizer, env_factory, eval_tasks, rollout_cfg.max_new_tokens, eval_seed)
+
+
+def add_lora(model, model_cfg: ModelSection):
+    from peft import LoraConfig, get_peft_model
+
+    if not model_cfg.lora:
+        return model
+    return get_peft_model(model, LoraConfig(r=model_cfg.lora_r, lora_alpha=model_cfg.lora_alpha,
+                                            lora_dropout=model_cfg.lora_dropout, bias="none",
+                                            target_modules=list(model_cfg.target_modules), task_type="CAUSAL_LM"))
