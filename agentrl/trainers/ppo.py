@@ -66,7 +66,7 @@ class PPOConfig:
     cliprange_value: float = 0.2  # value clip
     vf_coef: float = 0.1  # value loss coefficient
     batch_size: int = 128  # episodes per PPO step
-    forward_batch_size: int | None = None  # deprecated in TRL 0.11; no-grad forwards use mini_batch_size
+    forward_batch_size: int | None = None  # deprecated in TRL 0.11: overrides mini_batch_size
     mini_batch_size: int = 128  # episodes per optimisation step
     gradient_accumulation_steps: int = 1  # mini-batches per optimizer step
     world_size: int | None = None  # set from accelerate
@@ -105,6 +105,10 @@ class PPOConfig:
         for name in ("batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.forward_batch_size is not None:
+            warnings.warn("Note that using `forward_batch_size` is deprecated, use `mini_batch_size` instead. By "
+                          "setting it you overwrite `mini_batch_size`.", stacklevel=3)
+            self.mini_batch_size = self.forward_batch_size
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         backward = self.mini_batch_size * self.gradient_accumulation_steps
@@ -335,8 +339,9 @@ class PPOTrainer:
         if generate_ref_response:
             with self._reference():
                 ref_responses = run(self._ref_lm or self.policy)
-            return (responses[0], ref_responses[0]) if single else (responses, ref_responses)
-        return responses[0] if single else responses
+            # A single 1-D query gives a (1, L) tensor, as model.generate does (TRL 0.11).
+            return (responses[0][None], ref_responses[0][None]) if single else (responses, ref_responses)
+        return responses[0][None] if single else responses
 
     def step(self, queries: list[torch.Tensor], responses: list[torch.Tensor], scores: list,
              response_masks: list[torch.Tensor] | None = None) -> dict[str, float]:
