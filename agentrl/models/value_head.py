@@ -110,6 +110,12 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         from transformers import AutoModelForCausalLM
 
         head_kwargs = {k: kwargs.pop(k) for k in V_HEAD_ARGS if k in kwargs}
+        # TRL 0.11's scripts pass load_in_8bit / load_in_4bit, which transformers 5 only takes as a quantization_config.
+        bits = {k: kwargs.pop(k) for k in ("load_in_8bit", "load_in_4bit") if k in kwargs}
+        if any(bits.values()):
+            from transformers import BitsAndBytesConfig
+
+            kwargs.setdefault("quantization_config", BitsAndBytesConfig(**bits))
         source = pretrained_model_name_or_path
         if isinstance(source, nn.Module):
             model = source
