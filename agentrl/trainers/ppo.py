@@ -32,6 +32,7 @@ from agentrl.algos.losses import entropy_from_logits, ppo_policy_loss, ppo_value
 from agentrl.models.value_head import AutoModelForCausalLMWithValueHead, create_reference_model
 from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams, sample_batch
+from agentrl.samples import SamplesLog
 from agentrl.trainers.common import (MetricsLog, TaskCycler, TokenBatch, build_batch, episodes_to_batch,
                                      finite_or_raise, lm_logprobs, policy_forward, position_ids, progress_bar)
 
@@ -257,6 +258,8 @@ class PPOTrainer:
         self.running = RunningMoments()
         self.current_step = 0
         self.metrics_log = MetricsLog(None, self.accelerator)
+        self.samples_log = SamplesLog(None)  # a job sets SamplesLog(run_dir/"samples.jsonl", ...) to sample episodes
+        self._sample_tensors: dict = {}  # the last update's per-token tensors, for samples_log
         if config.log_with:
             self.accelerator.init_trackers(config.tracker_project_name, config=_flat_config(config),
                                            init_kwargs=config.tracker_kwargs)
@@ -444,6 +447,7 @@ class PPOTrainer:
             stats.update(episode_metrics(episodes))
             stats["time/rollout"] = rollout_seconds
             self.metrics_log.write(_scalars(stats), self.current_step)
+            self.samples_log.write(self.current_step, episodes, self._sample_tensors)
             history.append(stats)
             if callback is not None:
                 callback(self.current_step, stats)
@@ -499,7 +503,10 @@ class PPOTrainer:
         non_score_rewards = -self.kl_ctl.value * kl
         rewards = non_score_rewards + batch.scores
         t_rewards = time.time()
+        raw_values = values
         values, advantages, returns = self.compute_advantages(values, rewards, mask)
+        self._sample_tensors = {"trainer_logprobs": old_logprobs, "ref_logprobs": ref_logprobs,
+                                "advantages": advantages, "values": raw_values}
         t_adv = time.time()
 
         all_stats = []
