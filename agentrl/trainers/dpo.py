@@ -56,6 +56,8 @@ class DPOConfig:
     beta: float = 0.1  # strength of the implicit KL to the reference
     loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"  # which preference loss
     label_smoothing: float = 0.0  # conservative / robust DPO: assumed label-noise rate
+    rpo_alpha: float | None = None  # weight of the chosen completions' per-token NLL added to the loss (RPO,
+    # Pang et al. 2024, arXiv:2404.19733; TRL's rpo_alpha): keeps the chosen likelihood rising. None: off
     max_length: int = 512  # prompt + completion tokens (completions are truncated)
     max_prompt_length: int = 256  # longer prompts are a data error
     precompute_ref_log_probs: bool = False  # reference logprobs once up front; no reference model kept
@@ -228,6 +230,12 @@ class DPOTrainer:
                         pol_c, pol_r = self.sequence_logps(self.model, batch)
                     losses, rc, rr = dpo_loss(pol_c, pol_r, ref_c, ref_r, cfg.beta, cfg.loss_type, cfg.label_smoothing)
                     loss = losses.mean()
+                    if cfg.rpo_alpha:
+                        # Per-token NLL of the chosen completions (their summed logprob over their token count).
+                        counts = torch.tensor([max(1, sum(ex.chosen_mask)) for ex in batch], device=pol_c.device)
+                        nll = (-pol_c / counts).mean()
+                        loss = loss + cfg.rpo_alpha * nll
+                        acc["nll/chosen"].append(nll.item())
                     if not torch.isfinite(loss):
                         loss = torch.nan_to_num(loss) * 0.0
                         acc["nonfinite_losses"].append(1.0)

@@ -73,6 +73,24 @@ def test_dpo_learns_the_preference_and_precompute_keeps_no_reference(tiny_base):
     assert history[-1]["rewards/margins"] > 0 and history[-1]["loss"] < history[0]["loss"]
 
 
+def test_rpo_alpha_raises_the_chosen_likelihood(tiny_base):
+    """RPO's NLL term on the chosen completions: the same run ends with the chosen logprob higher than plain DPO."""
+    from agentrl import DPOConfig, DPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(tiny_base)
+    ends = {}
+    for alpha in (None, 1.0):
+        torch.manual_seed(0)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_base),
+                               LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+        trainer = DPOTrainer(model=model, args=DPOConfig(per_device_train_batch_size=2, learning_rate=5e-3, max_steps=8,
+                                                         logging_steps=4, rpo_alpha=alpha, progress=False),
+                             train_dataset=ROWS, tokenizer=tok)
+        ends[alpha] = trainer.train()[-1]
+    assert "nll/chosen" in ends[1.0] and "nll/chosen" not in ends[None]
+    assert ends[1.0]["logps/chosen"] > ends[None]["logps/chosen"] + 1.0
+
+
 def test_tool_tokens_are_masked_out_of_sequence_logprobs(tiny_base):
     from agentrl import DPOConfig, DPOTrainer
 
