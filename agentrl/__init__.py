@@ -13,6 +13,8 @@ _LAZY = {
     "GRPOTrainer": "agentrl.trainers.grpo",
     "PPOConfig": "agentrl.trainers.ppo",
     "PPOTrainer": "agentrl.trainers.ppo",
+    "SFTConfig": "agentrl.trainers.sft",
+    "SFTTrainer": "agentrl.trainers.sft",
     "AutoModelForCausalLMWithValueHead": "agentrl.models.value_head",
     "CalculatorEnv": "agentrl.envs",
     "StepResult": "agentrl.envs",

@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentrl.errors import UserError
 from agentrl.rollout.engine import Episode, encode_prompt
 
 
-class PreferenceDataError(ValueError):
+class PreferenceDataError(UserError):
     """A malformed preference row; the message names the file, the row and the field."""
 
 
@@ -49,13 +50,6 @@ def read_preference_rows(source) -> tuple[list[dict], str]:
     return [dict(r) for r in ds], str(source)
 
 
-def _added(text: str, previous: str, where: str) -> str:
-    """What rendering one more message adds to the conversation's text."""
-    if not text.startswith(previous):
-        raise PreferenceDataError(f"{where}: the chat template rewrites earlier turns; cannot mask by message")
-    return text[len(previous):]
-
-
 def _segments(value, field: str, where: str, tokenizer, prompt_messages: list | None,
               tools: list[dict] | None = None) -> list[tuple[str, bool]]:
     """A completion as (text, is_assistant) segments. Strings are one assistant segment."""
@@ -71,32 +65,14 @@ def _segments(value, field: str, where: str, tokenizer, prompt_messages: list | 
     if not any(m["role"] == "assistant" and m["content"].strip() for m in value):
         raise PreferenceDataError(f"{where}: field {field!r} has no assistant message")
     if _templated(tokenizer, prompt_messages):
-        # Render growing prefixes with the template. As in a chat rollout, the mask is 1 on what the policy
-        # writes (an assistant message's content and its turn-end marker) and 0 on the template's scaffolding
-        # (separators, tool messages, the generation prompt before each later assistant turn).
-        from agentrl.envs.chat import turn_end_marker
+        # Rendered as a chat rollout renders it: the mask is 1 on what the policy writes (an assistant
+        # message's content and its turn-end marker), 0 on the template's scaffolding and tool messages.
+        from agentrl.envs.chat import TemplateDriftError, conversation_segments
 
-        def render(messages: list, generation_prompt: bool) -> str:
-            return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                 add_generation_prompt=generation_prompt)
-
-        turn_end, segments, history = turn_end_marker(tokenizer, tools), [], list(prompt_messages)
-        previous = render(history, True)
-        for k, m in enumerate(value):
-            assistant = m["role"] == "assistant"
-            if assistant and k > 0:  # the generation prompt before a later assistant turn: scaffolding
-                text = render(history, True)
-                segments.append((_added(text, previous, where), False))
-                previous = text
-            history.append(m)
-            text = render(history, False)
-            added, own = _added(text, previous, where), m["content"] + turn_end
-            if assistant and added.startswith(own):  # what the policy writes; the separator after it is scaffolding
-                segments += [(own, True), (added[len(own):], False)]
-            else:  # tool messages; or a template that rewrites the content (trims it, renders tool calls, ...)
-                segments.append((added, assistant))
-            previous = text
-        return segments
+        try:
+            return conversation_segments(tokenizer, prompt_messages, value, tools)
+        except TemplateDriftError as e:
+            raise PreferenceDataError(f"{where}: {e}") from None
     # No chat template: the trajectory is ReAct text, roles implicit; concatenate the contents.
     return [(m["content"], m["role"] == "assistant") for m in value]
 

@@ -109,6 +109,39 @@ class ChatRenderer:
         return full[len(produced):]
 
 
+def conversation_segments(tokenizer, prompt: list[dict], messages: list[dict],
+                          tools: list[dict] | None = None) -> list[tuple[str, bool]]:
+    """What the chat template adds for `messages` after `prompt` (rendered with its generation prompt), as
+    (text, written by the policy) segments, for SFT and DPO data rendered exactly as a chat rollout sees it.
+
+    As in a rollout, the policy writes an assistant message's content and the turn-end marker after it; the
+    template's scaffolding (separators, tool messages, the generation prompt before each later assistant
+    turn) is not the policy's. Renders growing prefixes; a template that rewrites earlier turns is an error.
+    """
+    def added(text: str, previous: str) -> str:
+        if not text.startswith(previous):
+            raise TemplateDriftError(f"{_template_name(tokenizer)} rewrites earlier turns; cannot mask by message")
+        return text[len(previous):]
+
+    turn_end, segments, history = turn_end_marker(tokenizer, tools), [], list(prompt)
+    previous = _render(tokenizer, history, tools, True)
+    for k, m in enumerate(messages):
+        assistant = m["role"] == "assistant"
+        if assistant and k > 0:  # the generation prompt before a later assistant turn: scaffolding
+            text = _render(tokenizer, history, tools, True)
+            segments.append((added(text, previous), False))
+            previous = text
+        history.append(m)
+        text = _render(tokenizer, history, tools, False)
+        new, own = added(text, previous), (m.get("content") or "") + turn_end
+        if assistant and new.startswith(own):  # what the policy writes; the separator after it is scaffolding
+            segments += [(own, True), (new[len(own):], False)]
+        else:  # tool messages; or a template that rewrites the content (trims it, renders tool calls, ...)
+            segments.append((new, assistant))
+        previous = text
+    return segments
+
+
 # A compact ChatML template with tool support for the embedded tiny model (tool names and arguments only,
 # so prompts stay short).
 CHATML_TOOLS_TEMPLATE = (

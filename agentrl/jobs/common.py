@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentrl.envs.base import load_tasks, make_env
+from agentrl.config import ConfigError
+from agentrl.envs.base import load_object, load_tasks, make_env
+from agentrl.errors import UserError
 from agentrl.models.tiny import BaseModelConfig
 
 CONFIG_DIR = Path(__file__).parent.parent / "configs"
@@ -14,8 +16,10 @@ CONFIG_DIR = Path(__file__).parent.parent / "configs"
 
 @dataclass
 class ModelSection:
-    base: str = "embedded"  # a local model directory, or "embedded" to build/reuse the tiny default
-    base_dir: str = "runs/base-model"  # where the embedded model is built and cached
+    base: str = "embedded"  # a local model directory, or "embedded": the tiny model of env.demonstrations (if set),
+    # else of the built-in corpus model.builder.corpus
+    base_dir: str = "runs/base-model"  # where the embedded model is built and cached (a model of env.demonstrations
+    # goes to a sibling directory named by their hash, so no environment ever gets another's model)
     builder: BaseModelConfig = field(default_factory=BaseModelConfig)  # how the embedded model is built
     lora: bool = True  # train a LoRA adapter (reference = adapter disabled); False: full fine-tuning
     lora_r: int = 16  # LoRA rank
@@ -30,6 +34,8 @@ class EnvSection:
     name: str = "agentrl.envs:CalculatorEnv"  # "module:Class" of the environment
     kwargs: dict = field(default_factory=dict)  # passed to the environment's constructor
     tasks: str = "agentrl.envs:calculator_tasks"  # "module:function(n, seed, split)" or a .jsonl file
+    demonstrations: str | None = None  # "module:function(task, rng)" returning one demonstration row
+    # (trainers/sft.py), drawn over the training tasks: `agentrl sft`'s data, and the embedded model's
     train_tasks: int = 4000  # training tasks drawn (split "train")
     eval_tasks: int = 200  # held-out tasks (split "eval"), never seen in SFT or PPO
 
@@ -48,6 +54,68 @@ def resolve_config_path(name: str) -> Path:
         return path
     shipped = CONFIG_DIR / f"{name.removesuffix('.yaml')}.yaml"
     return shipped if shipped.exists() else path
+
+
+def environment_factory(env_cfg: EnvSection):
+    """A factory of fresh environments (one per episode), checked once; a bad spec is an error naming the key."""
+    try:
+        cls = load_object(env_cfg.name)
+    except ValueError as e:
+        raise ConfigError(f"env.name: {e}") from None
+    factory = lambda: make_env(cls, env_cfg.kwargs)  # noqa: E731
+    try:
+        factory()
+    except TypeError as e:  # the protocol's attributes are missing, or the kwargs do not fit the constructor
+        raise ConfigError(f"env.name={env_cfg.name}, env.kwargs={env_cfg.kwargs}: {e}") from None
+    return factory
+
+
+def tasks_of(env_cfg: EnvSection, n: int, seed: int, split: str) -> list[dict]:
+    try:
+        return load_tasks(env_cfg.tasks, n, seed, split)
+    except UserError:
+        raise
+    except ValueError as e:  # the spec does not load
+        raise ConfigError(f"env.tasks: {e}") from None
+
+
+def training_tasks(env_cfg: EnvSection, seed: int, eval_tasks: list[dict]) -> list[dict]:
+    """Training tasks with every held-out task removed; an error if none remain."""
+    held_out = {t.get("question", str(t)) for t in eval_tasks}
+    tasks = [t for t in tasks_of(env_cfg, env_cfg.train_tasks, seed, "train") if t.get("question", str(t)) not in held_out]
+    if not tasks or not eval_tasks:
+        raise ConfigError(f"env.tasks: {len(tasks)} training tasks remain after removing the "
+                          f"{len(eval_tasks)} held-out ones; both must be non-empty")
+    return tasks
+
+
+def renders_chat(env) -> bool:
+    """The environment renders conversations with the tokenizer's chat template (ToolEnv in chat format)."""
+    return getattr(env, "format", None) == "chat" or bool(getattr(env, "keep_special_tokens", False))
+
+
+def env_demonstrations(env_cfg: EnvSection, n: int, seed: int, eval_tasks: list[dict]) -> list:
+    """`n` rows of env.demonstrations over the training tasks (cycled), never a held-out task."""
+    from agentrl.trainers.sft import demonstrations_from_function
+
+    return demonstrations_from_function(env_cfg.demonstrations, training_tasks(env_cfg, seed, eval_tasks), n, seed)
+
+
+def embedded_model(model_cfg: ModelSection, env_cfg: EnvSection, eval_tasks: list[dict], sft=None,
+                   chat: bool = False, progress: bool = True) -> str:
+    """The embedded model's directory: built from env.demonstrations when set (cached by their hash beside
+    model.base_dir), else from the built-in corpus (cached in model.base_dir)."""
+    from agentrl.jobs.base_model import build_base_model, build_from_demonstrations, demonstrations_key
+    from agentrl.trainers.sft import SFTConfig
+
+    if not env_cfg.demonstrations:
+        return str(build_base_model(model_cfg.base_dir, model_cfg.builder, progress=progress))
+    sft = sft or SFTConfig()
+    rows = env_demonstrations(env_cfg, sft.steps * sft.batch_size, sft.seed, eval_tasks)
+    key = demonstrations_key(rows, sft, chat).rpartition(":")[2][:12]
+    out = Path(model_cfg.base_dir).with_name(f"{Path(model_cfg.base_dir).name}-{key}")
+    return str(build_from_demonstrations(out, rows, model_cfg.builder, sft, chat,
+                                         f"env.demonstrations ({env_cfg.demonstrations})", progress))
 
 
 @dataclass
@@ -70,28 +138,25 @@ class Run:
         return {"greedy": evaluate(model, self.tokenizer, self.env_factory, self.eval_tasks, True, **kw),
                 "sampled": evaluate(model, self.tokenizer, self.env_factory, self.eval_tasks, False, temperature, **kw)}
 
-    def train_tasks(self, spec: str, n: int, seed: int) -> list[dict]:
-        """Training tasks with every held-out task removed; an error if none remain."""
-        held_out = {t.get("question", str(t)) for t in self.eval_tasks}
-        tasks = [t for t in load_tasks(spec, n, seed, "train") if t.get("question", str(t)) not in held_out]
-        if not tasks or not self.eval_tasks:
-            raise ValueError(f"{spec}: {len(tasks)} training tasks remain after removing the "
-                             f"{len(self.eval_tasks)} held-out ones; both must be non-empty")
-        return tasks
+
+def load_base(base: str):
+    """(model, tokenizer) of model.base; an error naming the key when it does not load."""
+    from agentrl.jobs.evaluate import load_policy
+
+    try:
+        return load_policy(base)
+    except UserError as e:
+        raise ConfigError(f"model.base: {e}") from None
 
 
 def prepare_run(model_cfg: ModelSection, env_cfg: EnvSection, rollout_cfg: RolloutSection, eval_seed: int,
-                progress: bool) -> Run:
-    from agentrl.jobs.base_model import build_base_model
-    from agentrl.jobs.evaluate import load_policy
-
+                progress: bool, sft=None) -> Run:
+    env_factory = environment_factory(env_cfg)
+    eval_tasks = tasks_of(env_cfg, env_cfg.eval_tasks, eval_seed, "eval")
     base_dir = model_cfg.base
     if base_dir == "embedded":
-        base_dir = str(build_base_model(model_cfg.base_dir, model_cfg.builder, progress=progress))
-    model, tokenizer = load_policy(base_dir)
-    env_factory = lambda: make_env(env_cfg.name, env_cfg.kwargs)  # noqa: E731
-    env_factory()  # fail early on a bad environment spec
-    eval_tasks = load_tasks(env_cfg.tasks, env_cfg.eval_tasks, eval_seed, "eval")
+        base_dir = embedded_model(model_cfg, env_cfg, eval_tasks, sft, renders_chat(env_factory()), progress)
+    model, tokenizer = load_base(base_dir)
     return Run(base_dir, model, tokenizer, env_factory, eval_tasks, rollout_cfg.max_new_tokens, eval_seed)
 
 

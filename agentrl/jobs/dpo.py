@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Literal
 
 from agentrl.config import load_config, to_dict
-from agentrl.jobs.common import EnvSection, ModelSection, RolloutSection, add_lora, prepare_run, resolve_config_path
+from agentrl.jobs.common import (EnvSection, ModelSection, RolloutSection, add_lora, prepare_run, resolve_config_path,
+                                 training_tasks)
 from agentrl.trainers.dpo import DPOConfig
 
 
@@ -65,7 +66,7 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
         trainer.train(metrics_path=str(out / "metrics.jsonl"))
         total_pairs, steps = len(trainer.examples), trainer.total_steps
     else:
-        cycler = TaskCycler(run.train_tasks(config.env.tasks, config.env.train_tasks, dpo_cfg.seed), dpo_cfg.seed)
+        cycler = TaskCycler(training_tasks(config.env, dpo_cfg.seed, run.eval_tasks), dpo_cfg.seed)
         sampling = SamplingParams(max_new_tokens=max_new, temperature=config.iterative.temperature,
                                   top_k=config.rollout.top_k, top_p=config.rollout.top_p)
         for r in range(config.iterative.rounds):

@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from agentrl.config import load_config, to_dict
-from agentrl.jobs.common import EnvSection, ModelSection, RolloutSection, add_lora, prepare_run, resolve_config_path
+from agentrl.config import ConfigError, load_config, to_dict
+from agentrl.jobs.common import (EnvSection, ModelSection, RolloutSection, add_lora, env_demonstrations, prepare_run,
+                                 resolve_config_path, training_tasks)
 from agentrl.trainers.grpo import GRPOConfig
 from agentrl.trainers.ppo import PPOConfig
+from agentrl.trainers.sft import SFTConfig
 
 
 @dataclass
@@ -30,6 +32,7 @@ class JobConfig:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     reward: RewardSection = field(default_factory=RewardSection)
+    sft: SFTConfig = field(default_factory=SFTConfig)  # `agentrl sft`, and the embedded model of env.demonstrations
     steps: int = 60  # training steps (each of ppo.batch_size, or grpo.tasks_per_step * num_generations, episodes)
     out_dir: str = "runs/ppo"  # adapter, metrics.jsonl and summary.json go here
     eval_seed: int = 0  # seed of the held-out task draw and of sampled evaluation
@@ -47,16 +50,21 @@ def run_job(config: JobConfig) -> dict:
 
     started = time.time()
     out = Path(config.out_dir)
-    run = prepare_run(config.model, config.env, config.rollout, config.eval_seed, config.progress)
+    run = prepare_run(config.model, config.env, config.rollout, config.eval_seed, config.progress, config.sft)
     model, tokenizer, env_factory, eval_tasks = run.model, run.tokenizer, run.env_factory, run.eval_tasks
     algo_config = config.ppo if config.algo == "ppo" else config.grpo
-    train_tasks = run.train_tasks(config.env.tasks, config.env.train_tasks, algo_config.seed)
+    train_tasks = training_tasks(config.env, algo_config.seed, run.eval_tasks)
     max_new = config.rollout.max_new_tokens
     before = run.evaluate_both(model, algo_config.temperature)
     torch.manual_seed(algo_config.seed)
     model = add_lora(model, config.model)
     if config.algo == "ppo":
         trainer = PPOTrainer(config=config.ppo, model=model, tokenizer=tokenizer)
+        if config.ppo.ptx_coef > 0 and config.ppo.ptx_data == "env":  # PPO-ptx on the environment's demonstrations
+            if not config.env.demonstrations:
+                raise ConfigError("ppo.ptx_data: 'env' needs env.demonstrations (module:function(task, rng))")
+            trainer.set_ptx_data(env_demonstrations(config.env, len(train_tasks), config.ppo.seed, eval_tasks),
+                                 f"env.demonstrations ({config.env.demonstrations})")
     else:
         trainer = GRPOTrainer(config.grpo, model, tokenizer)
     sampling = SamplingParams(max_new_tokens=max_new, temperature=algo_config.temperature,

@@ -29,6 +29,7 @@ from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams, sample_batch
 from agentrl.trainers.common import (MetricsLog, TaskCycler, TokenBatch, build_batch, episodes_to_batch,
                                      finite_or_raise, lm_logprobs, policy_forward, progress_bar)
+from agentrl.trainers.sft import sft_loss
 
 
 @dataclass
@@ -93,6 +94,8 @@ class PPOConfig:
     missing_eos_penalty: float | None = None  # subtracted from the score of episodes cut by max_new_tokens
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"  # accelerate's mixed precision
     project_dir: str | None = None  # where trackers write (tensorboard logs)
+    ptx_coef: float = 0.0  # PPO-ptx (Ouyang et al. 2022, eq. 2): weight of the SFT loss on demonstrations, 0: off
+    ptx_data: str | None = None  # its demonstrations: a JSONL file (trainers/sft.py rows), or "env" in jobs
 
     def __post_init__(self):
         if self.kl_penalty not in ("kl", "abs", "mse", "full"):
@@ -102,6 +105,8 @@ class PPOConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.ptx_coef > 0 and not self.ptx_data:
+            raise ValueError("ptx_coef > 0 needs ptx_data: a demonstrations JSONL file, or 'env' in an agentrl job")
         backward = self.mini_batch_size * self.gradient_accumulation_steps
         if backward > self.batch_size and self.batch_size % self.mini_batch_size == 0:
             # Seed 000 asks for batch_size=1, mini_batch_size=1, gradient_accumulation_steps=4, which TRL
@@ -222,12 +227,24 @@ class PPOTrainer:
                        else FixedKLController(config.init_kl_coef))
         self.running = RunningMoments()
         self.current_step = 0
+        self.ptx = None  # PPO-ptx demonstrations (set_ptx_data)
+        if config.ptx_coef > 0 and config.ptx_data != "env":
+            self.set_ptx_data(config.ptx_data)
         self.metrics_log = MetricsLog(None, self.accelerator)
         if config.log_with:
             self.accelerator.init_trackers(config.tracker_project_name, config=_flat_config(config),
                                            init_kwargs=config.tracker_kwargs)
         # Dropout off everywhere, during rollouts and updates alike (Huang et al. 2024).
         self.model.eval()
+
+    def set_ptx_data(self, demonstrations, name: str | None = None) -> None:
+        """PPO-ptx: each update adds ptx_coef * the SFT loss on a batch (mini_batch_size) of these demonstrations
+        (a JSONL path or a list of rows, see trainers/sft.py)."""
+        from agentrl.trainers.sft import DemonstrationBatches, encode_demonstrations, read_demonstrations
+
+        examples, _, _ = encode_demonstrations(read_demonstrations(demonstrations, name), self.tokenizer)
+        self.ptx = DemonstrationBatches(examples, self.config.mini_batch_size, self.tokenizer.pad_token_id,
+                                        self.config.seed)
 
     # --- the classic TRL 0.11 API ----------------------------------------------------------------------
 
@@ -452,6 +469,11 @@ class PPOTrainer:
                     vf_loss, vf_stats = ppo_value_loss(vpred, mb_values, mb_ret, mb.loss_mask, cfg.cliprange_value)
                     mean_entropy = masked_mean(entropy, mb.loss_mask)
                     loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * mean_entropy
+                    if self.ptx is not None:  # PPO-ptx: keep what SFT taught (the LM loss on demonstrations)
+                        with self.accelerator.autocast():
+                            ptx_loss = sft_loss(self.policy, self.ptx.next())
+                        loss = loss + cfg.ptx_coef * ptx_loss
+                        acc["ppo/loss/ptx"].append(ptx_loss.item())
                     if pg_stats["ratio"] > cfg.ratio_threshold:
                         loss, skipped = loss * 0.0, skipped + 1  # TRL 0.11: the mini-batch is skipped
                     if not torch.isfinite(loss):
