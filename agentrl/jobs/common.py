@@ -98,7 +98,37 @@ def env_demonstrations(env_cfg: EnvSection, n: int, seed: int, eval_tasks: list[
     """`n` rows of env.demonstrations over the training tasks (cycled), never a held-out task."""
     from agentrl.trainers.sft import demonstrations_from_function
 
-    return demonstrations_from_function(env_cfg.demonstrations, training_tasks(env_cfg, seed, eval_tasks), n, seed)
+    tasks = training_tasks(env_cfg, seed, eval_tasks)
+    rows = demonstrations_from_function(env_cfg.demonstrations, tasks, n, seed)
+    check_demonstrations(make_env(load_object(env_cfg.name), env_cfg.kwargs), tasks, rows)
+    return rows
+
+
+def check_demonstrations(env, tasks: list[dict], rows: list, k: int = 20) -> None:
+    """Warn when the first `k` segment rows do not split as this environment's rollouts do: a prompt other than
+    reset(task), or a trainable turn that runs past a stop pattern (a rollout would end the turn there)."""
+    import re
+    import warnings
+
+    if renders_chat(env):
+        return
+    stops = [re.compile(pattern) for pattern in env.stop_patterns]
+    for task, row in zip(tasks, rows[:k]):
+        segments = row.get("segments") if isinstance(row, dict) else row
+        if not isinstance(segments, (list, tuple)) or not all(isinstance(s, (list, tuple)) and len(s) == 2
+                                                                 for s in segments):
+            return  # another form; malformed rows are reported by the trainer
+        prompt = env.reset(task)
+        if segments and segments[0][0] != prompt:
+            warnings.warn(f"env.demonstrations: a row's first segment {segments[0][0]!r} is not reset(task) "
+                          f"{prompt!r}; the model would learn a prompt it never sees", stacklevel=3)
+            return
+        for text, trainable in segments[:-1]:
+            match = next((m for m in (p.search(text) for p in stops) if m), None) if trainable else None
+            if match and match.end() < len(text):
+                warnings.warn(f"env.demonstrations: a trainable segment runs past the stop pattern {match.group()!r}"
+                              f"; rollouts end the turn there, so split the row at it", stacklevel=3)
+                return
 
 
 def embedded_model(model_cfg: ModelSection, env_cfg: EnvSection, eval_tasks: list[dict], sft=None,

@@ -99,3 +99,23 @@ def test_a_line_that_is_not_json_is_named_and_can_be_skipped(tok, tmp_path):
     with pytest.raises(DemonstrationDataError, match=f"{path}:2: not valid JSON"):
         encode(str(path), tok)
     assert encode(str(path), tok, skip_bad_rows=True)[1] == 1
+
+
+def test_rows_that_do_not_split_as_the_rollouts_do_are_warned_about():
+    import random
+    import warnings
+
+    from agentrl.envs import CalculatorEnv
+    from agentrl.envs.calculator import calculator_demonstration, calculator_tasks
+    from agentrl.jobs.common import check_demonstrations
+
+    env, task = CalculatorEnv(), calculator_tasks(1)[0]
+    good = calculator_demonstration(task, True, random.Random(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_demonstrations(env, [task], [{"segments": good}])
+    with pytest.warns(UserWarning, match="is not reset"):
+        check_demonstrations(env, [task], [[("Q: " + task["question"], False), *good[1:]]])
+    merged = [good[0], ("".join(text for text, _ in good[1:]), True), ("", False)]
+    with pytest.warns(UserWarning, match="runs past the stop pattern"):
+        check_demonstrations(env, [task], [merged])
