@@ -44,7 +44,7 @@ class SFTConfig:
     warmup_steps: int = 50  # linear warmup steps
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float | None = 1.0  # gradient-norm clip (None: off)
-    max_length: int = 1024  # longer demonstrations are cut (and counted); also capped by the model's positions
+    max_length: int = 1024  # tokens; longer demonstrations are cut (and counted in truncated_rows)
     shuffle: bool = True  # reshuffle the demonstrations each pass; False: in order
     skip_bad_rows: bool = False  # skip and count malformed rows instead of stopping at the first
     logging_steps: int = 20  # a metrics row every this many steps
@@ -252,10 +252,9 @@ class SFTTrainer:
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token  # labels are -100 on padding, so its id never matters
         self.model, self.tokenizer = model, tokenizer
-        max_length = min(args.max_length, getattr(model.config, "max_position_embeddings", None) or args.max_length)
         rows = read_demonstrations(train_dataset, dataset_name)
         self.examples, self.skipped_rows, self.truncated_rows = encode_demonstrations(
-            rows, tokenizer, max_length, args.skip_bad_rows)
+            rows, tokenizer, args.max_length, args.skip_bad_rows)
         if not self.examples:
             raise DemonstrationDataError(f"{dataset_name or train_dataset}: no usable demonstrations "
                                          f"({self.skipped_rows} skipped)")

@@ -140,3 +140,20 @@ def test_a_users_mistake_is_one_line_and_exit_code_2(tiny_base, tmp_path, capsys
     assert last_line(capsys).startswith(f"agentrl: error: {tmp_path / 'missing'}: cannot load a model")
     with pytest.raises(ValueError, match="env.name"):  # --debug: the traceback
         main(["ppo", "--debug", "--config", "quickstart", "env.name=no_such_module:Env", f"out_dir={tmp_path}"])
+
+
+@pytest.mark.slow
+def test_units_example_sft_then_ppo_shortened(tmp_path):
+    """The README's two commands, shortened: SFT learns the demonstrations' mix (tool or guess), then PPO
+    makes the tool the greedy choice."""
+    sft, ppo = tmp_path / "sft", tmp_path / "ppo"
+    short = ["env.eval_tasks=64", "progress=false"]
+    assert main(["sft", "--config", "quickstart", *UNITS, *short, f"out_dir={sft}", "sft.steps=200",
+                 "sft.batch_size=32", "sft.warmup_steps=20"]) == 0
+    assert main(["ppo", "--config", "quickstart", *UNITS, *short, f"model.base={sft / 'model'}", f"out_dir={ppo}",
+                 "steps=8", "ppo.batch_size=32", "ppo.mini_batch_size=16"]) == 0
+    summary = json.loads((ppo / "summary.json").read_text())
+    before, after = summary["before"], summary["after"]
+    assert 0.05 < summary["before_sampled"]["tool_call_rate"] < 0.8  # SFT learned both ways of answering
+    assert before["format_error_rate"] < 0.2
+    assert after["tool_call_rate"] > before["tool_call_rate"] + 0.2
