@@ -432,6 +432,8 @@ class PPOTrainer:
 
     def _update(self, batch: TokenBatch) -> dict[str, float]:
         cfg, t0 = self.config, time.time()
+        if cfg.ptx_coef > 0 and self.ptx is None:
+            raise ValueError("ptx_data='env' needs trainer.set_ptx_data(demonstrations) (agentrl jobs call it)")
         self.model.eval()  # dropout off, whatever the caller did to the model in between
         batch = TokenBatch(*(x.to(self.accelerator.device) for x in (batch.input_ids, batch.attention_mask,
                                                                        batch.loss_mask, batch.scores)))
