@@ -31,9 +31,11 @@ class DPOJobConfig:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     iterative: IterativeSection = field(default_factory=IterativeSection)
-    out_dir: str = "runs/dpo"  # adapter, pairs, metrics and summary.json go here
+    out_dir: str = "runs/dpo"  # adapter, pairs, metrics, samples.jsonl and summary.json go here
     eval_seed: int = 0  # seed of the held-out draw and of sampled evaluation
     progress: bool = True  # progress bars
+    sample_every: int = 1  # iterative: write chosen/rejected pairs to samples.jsonl every this many rounds
+    samples_per_step: int = 4  # pairs written per sampled round (0: no samples.jsonl)
 
 
 def load_dpo_job(path: str | None, overrides: list[str] | None = None) -> DPOJobConfig:
@@ -47,6 +49,7 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
     from agentrl.jobs.preferences import sample_pairs
     from agentrl.preferences import pair_to_example
     from agentrl.rollout.sampling import SamplingParams
+    from agentrl.samples import SamplesLog
     from agentrl.trainers.common import TaskCycler
     from agentrl.trainers.dpo import DPOTrainer
 
@@ -58,12 +61,16 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
     before = run.evaluate_both(model, config.iterative.temperature)
     torch.manual_seed(config.dpo.seed)  # LoRA init and rollouts: the same run for the same config
     model = add_lora(model, config.model)
-    dpo_cfg = replace(config.dpo, output_dir=str(out / "adapter"), progress=config.progress)
+    dpo_cfg = replace(config.dpo, output_dir=str(out / "adapter"), progress=config.progress,
+                      logging_dir=config.dpo.logging_dir or str(out))
+    samples = SamplesLog(out / "samples.jsonl", tokenizer, config.sample_every,
+                         config.samples_per_step if config.data is None else 0, source="iterative-dpo")
     rounds, total_pairs, total_ties, trainer, steps = [], 0, 0, None, 0
     train_started = time.time()
     if config.data is not None:
         trainer = DPOTrainer(model=model, args=dpo_cfg, train_dataset=config.data, tokenizer=tokenizer)
         trainer.train(metrics_path=str(out / "metrics.jsonl"))
+        trainer.accelerator.end_training()  # flush and close the trackers' files
         total_pairs, steps = len(trainer.examples), trainer.total_steps
     else:
         cycler = TaskCycler(training_tasks(config.env, dpo_cfg.seed, run.eval_tasks), dpo_cfg.seed)
@@ -74,6 +81,7 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
             pairs, ties, rows = sample_pairs(model, tokenizer, env_factory, cycler.draw(config.iterative.tasks_per_round),
                                              config.iterative.samples, sampling)
             write_jsonl(out / f"pairs-round{r}.jsonl", rows)
+            samples.write_pairs(r, pairs)
             total_pairs, total_ties = total_pairs + len(pairs), total_ties + ties
             record = {"round": r, "pairs": len(pairs), "ties_skipped": ties,
                       "mean_chosen_score": sum(b.score for b, _ in pairs) / max(len(pairs), 1),
@@ -85,6 +93,7 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
                 trainer = DPOTrainer(model=model, args=round_cfg, tokenizer=tokenizer,
                                      train_dataset=[pair_to_example(b, w) for b, w in pairs])
                 history = trainer.train(metrics_path=str(out / f"metrics-round{r}.jsonl"))
+                trainer.accelerator.end_training()
                 steps += trainer.total_steps
                 record.update({k: history[-1][k] for k in ("loss", "rewards/accuracies", "rewards/margins")})
             rounds.append(record)

@@ -10,6 +10,7 @@ from typing import Literal
 from agentrl.config import ConfigError, load_config, to_dict
 from agentrl.jobs.common import (EnvSection, ModelSection, RolloutSection, add_lora, env_demonstrations, prepare_run,
                                  resolve_config_path, training_tasks)
+from agentrl.samples import SamplesLog
 from agentrl.trainers.grpo import GRPOConfig
 from agentrl.trainers.ppo import PPOConfig
 from agentrl.trainers.sft import SFTConfig
@@ -34,9 +35,22 @@ class JobConfig:
     reward: RewardSection = field(default_factory=RewardSection)
     sft: SFTConfig = field(default_factory=SFTConfig)  # `agentrl sft`, and the embedded model of env.demonstrations
     steps: int = 60  # training steps (each of ppo.batch_size, or grpo.tasks_per_step * num_generations, episodes)
-    out_dir: str = "runs/ppo"  # adapter, metrics.jsonl and summary.json go here
+    out_dir: str = "runs/ppo"  # adapter, metrics.jsonl, samples.jsonl and summary.json go here
     eval_seed: int = 0  # seed of the held-out task draw and of sampled evaluation
     progress: bool = True  # progress bars
+    sample_every: int = 10  # write episodes to samples.jsonl at step 1 and every this many steps
+    samples_per_step: int = 4  # episodes written per sampled step (0: no samples.jsonl)
+
+
+def trackers_in_run_dir(algo_config, out: Path) -> None:
+    """Trackers write into the run directory unless told otherwise: TensorBoard events under
+    out/<tracker_project_name>/, W&B (offline or not) under out/wandb/."""
+    if not algo_config.log_with:
+        return
+    if algo_config.project_dir is None:
+        algo_config.project_dir = str(out)
+    if "wandb" in str(algo_config.log_with):
+        algo_config.tracker_kwargs.setdefault("wandb", {}).setdefault("dir", str(out))
 
 
 def run_job(config: JobConfig) -> dict:
@@ -58,6 +72,7 @@ def run_job(config: JobConfig) -> dict:
     before = run.evaluate_both(model, algo_config.temperature)
     torch.manual_seed(algo_config.seed)
     model = add_lora(model, config.model)
+    trackers_in_run_dir(algo_config, out)
     if config.algo == "ppo":
         trainer = PPOTrainer(config=config.ppo, model=model, tokenizer=tokenizer)
         if config.ppo.ptx_coef > 0 and config.ppo.ptx_data == "env":  # PPO-ptx on the environment's demonstrations
@@ -67,6 +82,8 @@ def run_job(config: JobConfig) -> dict:
                                  f"env.demonstrations ({config.env.demonstrations})")
     else:
         trainer = GRPOTrainer(config.grpo, model, tokenizer)
+    trainer.samples_log = SamplesLog(out / "samples.jsonl", tokenizer, config.sample_every, config.samples_per_step,
+                                     trainer.accelerator, source=config.algo)
     sampling = SamplingParams(max_new_tokens=max_new, temperature=algo_config.temperature,
                               top_k=config.rollout.top_k, top_p=config.rollout.top_p)
     score_hook = None
@@ -79,6 +96,7 @@ def run_job(config: JobConfig) -> dict:
     trainer.train(env_factory, train_tasks, steps=config.steps, sampling=sampling,
                   metrics_path=str(out / "metrics.jsonl"), progress=config.progress, score_hook=score_hook)
     ppo_seconds = time.time() - ppo_started
+    trainer.accelerator.end_training()  # flush and close the trackers' files
     adapter_dir = out / ("adapter" if config.model.lora else "model")
     trainer.save_pretrained(str(adapter_dir))
     after = run.evaluate_both(trainer.policy, algo_config.temperature)

@@ -12,7 +12,7 @@ import copy
 import time
 import warnings
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Literal
 
 import torch
@@ -23,6 +23,7 @@ from agentrl.algos import group_advantages, grpo_loss, masked_mean, rloo_advanta
 from agentrl.algos.losses import entropy_from_logits
 from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams
+from agentrl.samples import SamplesLog
 from agentrl.trainers.common import (MetricsLog, TaskCycler, TokenBatch, episodes_to_batch, finite_or_raise,
                                      lm_logprobs, progress_bar)
 
@@ -50,6 +51,7 @@ class GRPOConfig:
     log_with: str | None = None  # accelerate tracker ("tensorboard", "wandb", ...)
     tracker_project_name: str = "agentrl"  # project name for the trackers
     project_dir: str | None = None  # where trackers write
+    tracker_kwargs: dict = field(default_factory=dict)  # passed to init_trackers(init_kwargs=...)
 
     def __post_init__(self):
         for name in ("tasks_per_step", "num_generations", "num_iterations", "mini_batch_size",
@@ -89,10 +91,13 @@ class GRPOTrainer:
         if self.ref_model is not None:
             self.ref_model.to(self.accelerator.device)
         self.metrics_log = MetricsLog(None, self.accelerator)
+        self.samples_log = SamplesLog(None)  # a job sets SamplesLog(run_dir/"samples.jsonl", ...) to sample episodes
+        self._sample_tensors: dict = {}  # the last update's tensors, for samples_log
         self.current_step = 0
         if config.log_with:
             self.accelerator.init_trackers(config.tracker_project_name, config={
-                k: v for k, v in asdict(config).items() if isinstance(v, (int, float, str, bool))})
+                k: v for k, v in asdict(config).items() if isinstance(v, (int, float, str, bool))},
+                init_kwargs=config.tracker_kwargs)
         self.model.eval()  # dropout off during rollouts and updates
 
     @property
@@ -123,6 +128,7 @@ class GRPOTrainer:
             stats.update(episode_metrics(episodes))
             stats["time/rollout"] = time.time() - started - stats["time/update"]
             self.metrics_log.write(stats, self.current_step)
+            self.samples_log.write(self.current_step, episodes, self._sample_tensors)
             history.append(stats)
             if callback is not None:
                 callback(self.current_step, stats)
@@ -173,6 +179,8 @@ class GRPOTrainer:
                 mb = full.select(idx)
                 ref[idx, : mb.loss_mask.shape[1]] = self._ref_logprobs(mb)
 
+        # (N,) advantages: every sampled token of an episode gets its episode's; old only when num_iterations > 1
+        self._sample_tensors = {"advantages": advantages, "ref_logprobs": ref, "trainer_logprobs": old}
         acc = defaultdict(list)
         for _ in range(cfg.num_iterations):
             perm = torch.randperm(len(full))

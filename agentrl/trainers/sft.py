@@ -76,11 +76,11 @@ def _segments_of(value, where: str) -> list[tuple[str, bool]]:
     return out
 
 
-def _tool_call_text(call, where: str) -> str:
-    """A structured tool call as the Hermes text a chat policy writes and ToolEnv parses."""
+def _tool_call(call, where: str) -> dict:
+    """A tool call in the shape chat templates render: {"type": "function", "function": {name, arguments}}."""
     fn = call.get("function", call) if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise DemonstrationDataError(f"{where}: field 'tool_calls' needs objects with a string 'name' "
+        raise DemonstrationDataError(f"{where}: 'tool_calls' needs objects with a string 'name' "
                                      f"(or 'function': {{'name': ...}})")
     arguments = fn.get("arguments", {})
     if isinstance(arguments, str):
@@ -88,7 +88,8 @@ def _tool_call_text(call, where: str) -> str:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             raise DemonstrationDataError(f"{where}: tool call {fn['name']!r}: 'arguments' is not JSON") from None
-    return f"<tool_call>{json.dumps({'name': fn['name'], 'arguments': arguments})}</tool_call>"
+    return {**{k: v for k, v in call.items() if k != "function"}, "type": "function",
+            "function": {"name": fn["name"], "arguments": arguments}}
 
 
 def _messages_of(row: dict, where: str) -> tuple[list[dict], list[dict] | None]:
@@ -104,18 +105,23 @@ def _messages_of(row: dict, where: str) -> tuple[list[dict], list[dict] | None]:
         content, calls = m.get("content"), m.get("tool_calls")
         if not isinstance(content, str) and not (content is None and calls):
             raise DemonstrationDataError(f"{where}: field 'messages' item {k} needs a string 'content'")
+        message = {**m, "content": content or ""}
         if calls is not None:
             if m["role"] != "assistant" or not isinstance(calls, list):
                 raise DemonstrationDataError(f"{where}: field 'messages' item {k}: 'tool_calls' must be a list "
                                              f"on an assistant message")
-            # Chat policies write their calls as text in the message (ToolEnv parses Hermes blocks), so the
-            # demonstration trains exactly that text.
-            content = (content or "") + "".join(_tool_call_text(c, f"{where}: field 'messages' item {k}")
-                                                for c in calls)
-        out.append({"role": m["role"], "content": content})
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in out):
+            message["tool_calls"] = [_tool_call(c, f"{where}: field 'messages' item {k}") for c in calls]
+        out.append(message)
+    if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls")) for m in out):
         raise DemonstrationDataError(f"{where}: field 'messages' has no assistant message")
     return out, tools
+
+
+def _hermes(message: dict) -> str:
+    """An assistant message as ReAct-style text: its content, then its calls as Hermes blocks."""
+    return message["content"] + "".join(
+        f"<tool_call>{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']})}</tool_call>"
+        for c in message.get("tool_calls") or [])
 
 
 def demonstration_segments(row, tokenizer, where: str) -> tuple[str, list[tuple[str, bool]], bool]:
@@ -127,19 +133,23 @@ def demonstration_segments(row, tokenizer, where: str) -> tuple[str, list[tuple[
     if "segments" in row:
         return "", _segments_of(row["segments"], where), True
     messages, tools = _messages_of(row, where)
+    kwargs = row.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise DemonstrationDataError(f"{where}: field 'chat_template_kwargs' must be an object")
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
     prompt, rest = messages[:first], messages[first:]
     if getattr(tokenizer, "chat_template", None):
-        from agentrl.envs.chat import TemplateDriftError, conversation_segments
+        from agentrl.envs.chat import TemplateDriftError, conversation_segments, render
 
-        text = tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
         try:
             # A templated conversation ends with the turn-end marker the policy samples, not with EOS.
-            return text, conversation_segments(tokenizer, prompt, rest, tools), False
+            return (render(tokenizer, prompt, tools, True, kwargs),
+                    conversation_segments(tokenizer, prompt, rest, tools, kwargs), False)
         except TemplateDriftError as e:
-            raise DemonstrationDataError(f"{where}: {e}") from None
+            raise DemonstrationDataError(f"{where}: field 'messages': {e}") from None
     # No chat template: ReAct text, roles implicit.
-    return "".join(m["content"] for m in prompt), [(m["content"], m["role"] == "assistant") for m in rest], True
+    return ("".join(m["content"] for m in prompt),
+            [(_hermes(m), True) if m["role"] == "assistant" else (m["content"], False) for m in rest], True)
 
 
 def encode_demonstrations(rows: list[tuple[str, object]], tokenizer, max_length: int | None = None,

@@ -57,14 +57,15 @@ def test_chat_rows_train_only_what_the_assistant_writes(chat_tok):
         {"role": "tool", "content": "36"},
         {"role": "assistant", "content": "The answer is 36"}]}
     (ids, labels), = encode([row], chat_tok)[0]
-    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 3"}}</tool_call>'
     # the ids are the template's rendering of the conversation, the prompt encoded as the rollout encodes it
-    messages = [row["messages"][0], {"role": "assistant", "content": call}, *row["messages"][2:]]
+    messages = [row["messages"][0], {**row["messages"][1], "content": ""}, *row["messages"][2:]]
     prompt = chat_tok.apply_chat_template(messages[:1], tools=tools, tokenize=False, add_generation_prompt=True)
-    full = chat_tok.apply_chat_template(messages, tools=tools, tokenize=False)
-    assert ids[0] == chat_tok.bos_token_id and chat_tok.decode(ids[1:]) == full
     assert ids[:len(encode_prompt(chat_tok, prompt))] == encode_prompt(chat_tok, prompt)
-    # trained: the two assistant turns with their turn-end markers; not the tool result or the scaffolding
+    rendered = chat_tok.apply_chat_template(messages, tools=tools, tokenize=False)
+    assert chat_tok.decode(ids[1:]) == rendered.removesuffix("\n")  # the episode ends at the turn end
+    # trained: the two assistant turns (the call as the template renders it) with their turn-end markers;
+    # not the tool result, not the scaffolding
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 3"}}</tool_call>'
     assert trained_text(chat_tok, ids, labels) == f"{call}<|im_end|>The answer is 36<|im_end|>"
 
 
