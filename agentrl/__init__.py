@@ -16,6 +16,9 @@ _LAZY = {
     "SFTConfig": "agentrl.trainers.sft",
     "SFTTrainer": "agentrl.trainers.sft",
     "AutoModelForCausalLMWithValueHead": "agentrl.models.value_head",
+    "AutoModelForSeq2SeqLMWithValueHead": "agentrl.models.value_head",
+    "create_reference_model": "agentrl.models.value_head",
+    "set_seed": "agentrl.core",
     "CalculatorEnv": "agentrl.envs",
     "StepResult": "agentrl.envs",
 }
