@@ -34,7 +34,8 @@ from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams, sample_batch
 from agentrl.samples import SamplesLog
 from agentrl.trainers.common import (MetricsLog, TaskCycler, TokenBatch, build_batch, episodes_to_batch,
-                                     finite_or_raise, lm_logprobs, policy_forward, position_ids, progress_bar)
+                                     finite_or_raise, lm_logprobs, norm_gain_parameters, optimizer_groups,
+                                     policy_forward, position_ids, progress_bar)
 from agentrl.trainers.sft import sft_loss
 
 
@@ -97,6 +98,8 @@ class PPOConfig:
     whiten_advantages: bool = True  # whiten advantages over the mask (TRL always does)
     entropy_coef: float = 0.0  # entropy bonus (usually 0)
     value_head_init_std: float = 0.0  # value head init: 0 = zeros
+    value_learning_rate: float | None = None  # the value head's own learning rate (None: learning_rate), see __init__
+    norm_learning_rate: float | None = None  # learning rate of trainable norm gains (None: learning_rate)
     missing_eos_penalty: float | None = None  # subtracted from the score of episodes cut by max_new_tokens
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"  # accelerate's mixed precision
     project_dir: str | None = None  # where trackers write (tensorboard logs)
@@ -235,7 +238,12 @@ class PPOTrainer:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters")
-        self.optimizer = optimizer or torch.optim.Adam(params, lr=config.learning_rate, eps=config.adam_eps)
+        # The value head and the norm gains may get their own learning rates (see optimizer_groups). A separate
+        # critic rate is the norm in RLHF PPO (OpenRLHF's critic_learning_rate, verl's critic.optim.lr).
+        head = [p for p in model.v_head.parameters() if p.requires_grad]
+        groups = optimizer_groups(params, config.learning_rate, [(head, config.value_learning_rate),
+                                                                 (norm_gain_parameters(model), config.norm_learning_rate)])
+        self.optimizer = optimizer or torch.optim.Adam(groups, lr=config.learning_rate, eps=config.adam_eps)
         if lr_scheduler is not None and not isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
             raise ValueError("lr_scheduler must be a torch.optim.lr_scheduler.LRScheduler")
         if dataset is None:
