@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -66,6 +67,10 @@ class JobConfig:
     out_dir: str = "runs/ppo"  # adapter, metrics.jsonl and summary.json go here
     eval_seed: int = 0  # seed of the held-out task draw and of sampled evaluation
     progress: bool = True  # progress bars
+    checkpoint_every: int = 10  # checkpoint every this many steps, after the last and on SIGTERM/SIGINT (0: never)
+    keep_checkpoints: int = 2  # newest checkpoints kept in out_dir/checkpoints
+    max_nonfinite_steps: int = 3  # stop after this many steps in a row with a non-finite loss or gradient (0: never)
+    resume: str | None = None  # "auto": the latest valid checkpoint in out_dir (fresh if none); or a checkpoint path
 
 
 def resolve_config_path(name: str) -> Path:
@@ -136,15 +141,69 @@ def add_lora(model, model_cfg: ModelSection):
 
     if not model_cfg.lora:
         return model
-    return get_peft_model(model, LoraConfig(r=model_cfg.lora_r, lora_alpha=model_cfg.lora_alpha,
-                                            lora_dropout=model_cfg.lora_dropout, bias="none",
-                                            target_modules=list(model_cfg.target_modules), task_type="CAUSAL_LM"))
+    model = get_peft_model(model, LoraConfig(r=model_cfg.lora_r, lora_alpha=model_cfg.lora_alpha,
+                                             lora_dropout=model_cfg.lora_dropout, bias="none",
+                                             target_modules=list(model_cfg.target_modules), task_type="CAUSAL_LM"))
+    # peft keeps target_modules as a set and saves it in hash order; sorted, equal runs save equal files.
+    model.peft_config["default"].target_modules = sorted(model.peft_config["default"].target_modules)
+    return model
+
+
+def warn_ineffective(config, algo: str) -> None:
+    """Settings that cannot take effect in this job: a warning naming the key, once, at start."""
+    from agentrl.trainers.ppo import PPOConfig as _PPO
+
+    def warn(key: str, why: str) -> None:
+        warnings.warn(f"config {key}: {why}", UserWarning, stacklevel=3)
+
+    if config.model.lora and config.model.lora_dropout > 0:
+        warn("model.lora_dropout", "has no effect: the trainers keep the model in eval mode (dropout off)")
+    if algo in ("ppo", "grpo"):
+        for key, value, off in (("rollout.top_k", config.rollout.top_k, 0), ("rollout.top_p", config.rollout.top_p, 1.0)):
+            if value != off:
+                warn(key, f"={value} shapes what is sampled, but the {algo.upper()} ratio and KL use logprobs of "
+                          "the full tempered distribution, so the update does not correct for it")
+    if algo == "ppo":
+        ppo, default = config.ppo, _PPO()
+        for key in ("use_score_scaling", "use_score_norm", "score_clip"):
+            if getattr(ppo, key) != getattr(default, key):
+                warn(f"ppo.{key}", "only applies to trainer.step(); the agent loop of this job ignores it")
+        for key in ("forward_batch_size", "optimize_cuda_cache", "optimize_device_cache", "compare_steps",
+                    "push_to_hub_if_best_kwargs"):
+            if getattr(ppo, key) != getattr(default, key):
+                warn(f"ppo.{key}", "is accepted for TRL 0.11 parity and has no effect")
+        if ppo.steps != default.steps:
+            warn("ppo.steps", f"is ignored by the job, which runs `steps` ({config.steps})")
+    if algo == "grpo":
+        grpo = config.grpo
+        if grpo.steps != GRPOConfig().steps:
+            warn("grpo.steps", f"is ignored by the job, which runs `steps` ({config.steps})")
+        if grpo.mini_batch_size > grpo.batch_size:
+            warn("grpo.mini_batch_size", f"={grpo.mini_batch_size} is larger than the batch (tasks_per_step * "
+                                         f"num_generations = {grpo.batch_size}): one mini-batch of {grpo.batch_size}")
+        per_step = -(-grpo.batch_size // grpo.mini_batch_size) * grpo.num_iterations
+        if per_step % grpo.gradient_accumulation_steps:
+            warn("grpo.gradient_accumulation_steps", f"={grpo.gradient_accumulation_steps} does not divide the "
+                 f"{per_step} mini-batches of a step: an optimizer step mixes gradients of two batches")
+    if hasattr(config, "reward") and not config.reward.models and config.reward.weight != RewardSection().weight:
+        warn("reward.weight", "has no effect without reward.models")
+
+
+def summary_config(config) -> dict:
+    """The config recorded in summary.json: everything but `resume`, so a resumed run's summary equals the
+    uninterrupted run's."""
+    return {k: v for k, v in to_dict(config).items() if k != "resume"}
 
 
 def run_job(config: JobConfig) -> dict:
-    """Build or load the base model, evaluate, train (PPO or GRPO), evaluate again, save; returns the summary."""
+    """Build or load the base model, evaluate, train (PPO or GRPO), evaluate again, save; returns the summary.
+
+    With `resume`, continues from a checkpoint of out_dir: stored evaluations are reused, metrics.jsonl is cut
+    back to the checkpoint's rows, and training continues exactly where the checkpoint left it.
+    """
     import torch
 
+    from agentrl.checkpoint import Checkpointer, cached_eval, open_run, run_config
     from agentrl.evaluate import write_json
     from agentrl.rollout.sampling import SamplingParams
     from agentrl.trainers.grpo import GRPOTrainer
@@ -152,33 +211,47 @@ def run_job(config: JobConfig) -> dict:
 
     started = time.time()
     out = Path(config.out_dir)
-    run = prepare_run(config.model, config.env, config.rollout, config.eval_seed, config.progress)
-    model, tokenizer, env_factory, eval_tasks = run.model, run.tokenizer, run.env_factory, run.eval_tasks
-    algo_config = config.ppo if config.algo == "ppo" else config.grpo
-    train_tasks = run.train_tasks(config.env.tasks, config.env.train_tasks, algo_config.seed)
-    max_new = config.rollout.max_new_tokens
-    before = run.evaluate_both(model, algo_config.temperature)
-    torch.manual_seed(algo_config.seed)
-    model = add_lora(model, config.model)
-    if config.algo == "ppo":
-        trainer = PPOTrainer(config=config.ppo, model=model, tokenizer=tokenizer)
-    else:
-        trainer = GRPOTrainer(config.grpo, model, tokenizer)
-    sampling = SamplingParams(max_new_tokens=max_new, temperature=algo_config.temperature,
-                              top_k=config.rollout.top_k, top_p=config.rollout.top_p)
-    score_hook = None
-    if config.reward.models:
-        from agentrl.reward_model import RewardModelScorer
+    warn_ineffective(config, config.algo)
+    fingerprint = run_config(to_dict(config))
+    state = open_run(out, config.resume, fingerprint)
+    checkpointer = Checkpointer(out / "checkpoints", config.checkpoint_every, config.keep_checkpoints,
+                                config.max_nonfinite_steps, job_state=lambda: {"config": fingerprint})
+    with checkpointer.signals():
+        run = prepare_run(config.model, config.env, config.rollout, config.eval_seed, config.progress)
+        model, tokenizer, env_factory, eval_tasks = run.model, run.tokenizer, run.env_factory, run.eval_tasks
+        algo_config = config.ppo if config.algo == "ppo" else config.grpo
+        train_tasks = run.train_tasks(config.env.tasks, config.env.train_tasks, algo_config.seed)
+        max_new = config.rollout.max_new_tokens
+        before = cached_eval(out, "before", fingerprint, lambda: run.evaluate_both(model, algo_config.temperature))
+        torch.manual_seed(algo_config.seed)
+        model = add_lora(model, config.model)
+        if config.algo == "ppo":
+            trainer = PPOTrainer(config=config.ppo, model=model, tokenizer=tokenizer)
+        else:
+            trainer = GRPOTrainer(config.grpo, model, tokenizer)
+        if state is not None:
+            trainer.load_state_dict(state["trainer"])
+            checkpointer.restore(state)
+        remaining = config.steps - trainer.current_step
+        if remaining < 0:
+            raise ValueError(f"steps={config.steps}, but the checkpoint resumed from is at step {trainer.current_step}")
+        sampling = SamplingParams(max_new_tokens=max_new, temperature=algo_config.temperature,
+                                  top_k=config.rollout.top_k, top_p=config.rollout.top_p)
+        score_hook = None
+        if config.reward.models:
+            from agentrl.reward_model import RewardModelScorer
 
-        score_hook = RewardModelScorer(config.reward.models, tokenizer, config.reward.weight,
-                                       config.reward.env_weight, config.reward.combine)
-    ppo_started = time.time()
-    trainer.train(env_factory, train_tasks, steps=config.steps, sampling=sampling,
-                  metrics_path=str(out / "metrics.jsonl"), progress=config.progress, score_hook=score_hook)
-    ppo_seconds = time.time() - ppo_started
-    adapter_dir = out / ("adapter" if config.model.lora else "model")
-    trainer.save_pretrained(str(adapter_dir))
-    after = run.evaluate_both(trainer.policy, algo_config.temperature)
+            score_hook = RewardModelScorer(config.reward.models, tokenizer, config.reward.weight,
+                                           config.reward.env_weight, config.reward.combine)
+        ppo_started = time.time()
+        with checkpointer.loop():
+            trainer.train(env_factory, train_tasks, steps=remaining, sampling=sampling,
+                          metrics_path=str(out / "metrics.jsonl"), progress=config.progress, score_hook=score_hook,
+                          checkpointer=checkpointer)
+        ppo_seconds = time.time() - ppo_started
+        adapter_dir = out / ("adapter" if config.model.lora else "model")
+        trainer.save_pretrained(str(adapter_dir))
+        after = cached_eval(out, "after", fingerprint, lambda: run.evaluate_both(trainer.policy, algo_config.temperature))
     summary = {
         "before": before["greedy"], "after": after["greedy"],
         "before_sampled": before["sampled"], "after_sampled": after["sampled"],
@@ -186,7 +259,7 @@ def run_job(config: JobConfig) -> dict:
         "episodes": config.steps * algo_config.batch_size,
         "eval_tasks": len(eval_tasks), "train_seconds": round(ppo_seconds, 1),
         "wall_seconds": round(time.time() - started, 1),
-        "base_model_dir": str(run.base_dir), "adapter_dir": str(adapter_dir), "config": to_dict(config),
+        "base_model_dir": str(run.base_dir), "adapter_dir": str(adapter_dir), "config": summary_config(config),
     }
     write_json(out / "summary.json", summary)
     return summary
