@@ -122,3 +122,21 @@ def test_logprob_mismatch_is_measured_and_an_error_above_the_threshold():
     assert stats["rollout/logprob_mismatch_mean"] == pytest.approx(2e-6, rel=0.1)
     with pytest.raises(RuntimeError, match="logprob_mismatch_threshold=0.05"):
         logprob_mismatch(sampled * 1.2, sampled, mask, 0.05)  # e.g. logprobs at another temperature
+
+
+def test_settings_that_cannot_take_effect_are_named_at_start():
+    import warnings
+
+    from agentrl.pipeline import load_job, warn_ineffective
+
+    config = load_job("grpo", ["rollout.top_p=0.9", "grpo.mini_batch_size=128", "model.lora_dropout=0.1"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_ineffective(config, "grpo")
+    text = "\n".join(str(w.message) for w in caught)
+    for key in ("rollout.top_p", "grpo.mini_batch_size", "model.lora_dropout"):
+        assert f"config {key}" in text
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_ineffective(load_job("quickstart"), "ppo")  # the shipped configs warn about nothing
+    assert not caught
