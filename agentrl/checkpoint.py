@@ -312,7 +312,7 @@ class Checkpointer:
                  "nonfinite_streak": self.nonfinite_streak}
         if trainer_state is None:
             state["rng"] = rng_state()
-        for p in self.root.glob(".tmp-*"):  # left by a crash during a write
+        for p in [*self.root.glob(".tmp-*"), *self.root.glob(".old-*")]:  # left by a crash during a write
             shutil.rmtree(p, ignore_errors=True)
         path = write_checkpoint(self.root / f"step-{step:06d}", state, step)
         self.last_saved = path
@@ -398,12 +398,13 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def open_run(out_dir: str | Path, resume: str | None, config: dict) -> dict | None:
-    """The state to resume from (None: a fresh start, which clears old checkpoints and stored evaluations).
+    """The state to resume from (None: a fresh start; without `resume` it clears old checkpoints and stored
+    evaluations).
     A checkpoint written under a different config is an error naming the keys that differ."""
     root = Path(out_dir) / "checkpoints"
     path = resolve_resume(resume, out_dir)
     if path is None:
-        if root.exists():
+        if root.exists() and not resume:  # resume=auto without a checkpoint keeps the stored evaluations
             if checkpoints(root):
                 _say(f"fresh start: removing the old checkpoints in {root} (resume=auto continues a run instead)")
             shutil.rmtree(root)

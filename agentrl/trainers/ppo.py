@@ -27,7 +27,7 @@ from agentrl.algos.losses import ppo_policy_loss, ppo_value_loss
 from agentrl.models.value_head import AutoModelForCausalLMWithValueHead
 from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams, sample_batch
-from agentrl.trainers.common import (MetricsLog, TaskCycler, TokenBatch, build_batch, check_batch, episodes_to_batch,
+from agentrl.trainers.common import (MetricsLog, TokenBatch, build_batch, check_batch, episodes_to_batch,
                                      finite_or_raise, grads_finite, lm_logprobs, load_trainer_state, logprob_mismatch,
                                      policy_forward, progress_bar, resumed_cycler, resumed_metrics, trainer_state)
 
