@@ -1,4 +1,4 @@
-"""`agentrl` command line: base-model, ppo, eval, quickstart."""
+"""`agentrl` command line: argparse only; each command runs one job of agentrl/jobs/."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import sys
 
 def _cmd_base_model(args) -> int:
     from agentrl.config import apply_overrides, from_dict
-    from agentrl.models.tiny import BaseModelConfig, build_base_model
+    from agentrl.jobs.base_model import build_base_model
+    from agentrl.models.tiny import BaseModelConfig
 
     config = from_dict(BaseModelConfig, apply_overrides({}, args.overrides))
     out = build_base_model(args.out, config)
@@ -18,7 +19,7 @@ def _cmd_base_model(args) -> int:
 
 
 def _cmd_ppo(args) -> int:
-    from agentrl.pipeline import load_job, run_job
+    from agentrl.jobs.ppo import load_job, run_job
 
     config = load_job(args.config, args.overrides)
     summary = run_job(config)
@@ -27,7 +28,7 @@ def _cmd_ppo(args) -> int:
 
 
 def _cmd_grpo(args) -> int:
-    from agentrl.pipeline import load_job, run_job
+    from agentrl.jobs.ppo import load_job, run_job
 
     summary = run_job(load_job(args.config, ["algo=grpo", *args.overrides]))
     _print_summary(summary)
@@ -35,7 +36,7 @@ def _cmd_grpo(args) -> int:
 
 
 def _cmd_dpo(args) -> int:
-    from agentrl.dpo_pipeline import load_dpo_job, run_dpo_job
+    from agentrl.jobs.dpo import load_dpo_job, run_dpo_job
 
     summary = run_dpo_job(load_dpo_job(args.config, args.overrides))
     _print_summary(summary)
@@ -44,59 +45,38 @@ def _cmd_dpo(args) -> int:
 
 
 def _cmd_preferences(args) -> int:
-    from agentrl.dpo_pipeline import sample_pairs
-    from agentrl.envs.base import make_env
-    from agentrl.evaluate import load_policy
-    from agentrl.pipeline import load_tasks
-    from agentrl.preferences import write_jsonl
-    from agentrl.rollout.sampling import SamplingParams
+    from agentrl.jobs.preferences import run_preferences
 
-    import torch
-
-    torch.manual_seed(args.seed)
-    model, tokenizer = load_policy(args.model, args.adapter)
-    env_kwargs = json.loads(args.env_kwargs) if args.env_kwargs else {}
-    tasks = load_tasks(args.task_source, args.tasks, args.seed, args.split)
-    pairs, ties, rows = sample_pairs(model, tokenizer, lambda: make_env(args.env, env_kwargs), tasks, args.samples,
-                                     SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature))
-    write_jsonl(args.out, rows)
-    print(json.dumps({"tasks": len(tasks), "samples": args.samples, "pairs": len(pairs), "ties_skipped": ties,
-                      "out": args.out}))
+    print(json.dumps(run_preferences(args.model, args.adapter, args.env, args.env_kwargs, args.task_source, args.tasks,
+                                     args.seed, args.split, args.samples, args.temperature, args.max_new_tokens,
+                                     args.out)))
     return 0
 
 
 def _cmd_reward_model(args) -> int:
-    from agentrl.reward_model import load_reward_config, train_reward_model
+    from agentrl.jobs.reward_model import load_reward_config, run_reward_model_job
 
-    meta = train_reward_model(load_reward_config(args.config, args.overrides))
+    meta = run_reward_model_job(load_reward_config(args.config, args.overrides))
     print(json.dumps(meta, indent=2))
     return 0
 
 
 def _cmd_compare(args) -> int:
-    from agentrl.compare import compare
-    from agentrl.envs.base import make_env
-    from agentrl.pipeline import load_tasks
+    from agentrl.jobs.compare import run_compare
 
-    env_kwargs = json.loads(args.env_kwargs) if args.env_kwargs else {}
-    tasks = load_tasks(args.task_source, args.tasks, args.seed, "eval")
-    result = compare(args.a, args.b, lambda: make_env(args.env, env_kwargs), tasks, args.judge, greedy=not args.sample,
-                     max_new_tokens=args.max_new_tokens, seed=args.seed)
+    result = run_compare(args.a, args.b, args.env, args.env_kwargs, args.task_source, args.tasks, args.seed, args.judge,
+                         args.sample, args.max_new_tokens, args.out)
     low, high = result["ci95"]
     print(f"A: {args.a}\nB: {args.b}\njudge: {args.judge}, {result['n']} tasks")
     print(f"A wins {result['wins']}, ties {result['ties']}, losses {result['losses']}; "
           f"win-rate of A {result['win_rate']:.3f} (95% CI {low:.3f}-{high:.3f})")
     for s in result["samples"]:
         print(f"\n{s['task']}\n  A ({s['score_a']:+.2f}): {s['a']!r}\n  B ({s['score_b']:+.2f}): {s['b']!r}")
-    if args.out:
-        from agentrl.evaluate import write_json
-
-        write_json(args.out, result)
     return 0
 
 
 def _cmd_quickstart(args) -> int:
-    from agentrl.pipeline import load_job, run_job
+    from agentrl.jobs.ppo import load_job, run_job
 
     overrides = [f"out_dir={args.out}"] + args.overrides
     summary = run_job(load_job("quickstart", overrides))
@@ -106,18 +86,11 @@ def _cmd_quickstart(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    from agentrl.envs.base import make_env
-    from agentrl.evaluate import evaluate, load_policy, write_json
-    from agentrl.pipeline import load_tasks
+    from agentrl.jobs.evaluate import run_eval
 
-    model, tokenizer = load_policy(args.model, args.adapter)
-    env_kwargs = json.loads(args.env_kwargs) if args.env_kwargs else {}
-    tasks = load_tasks(args.task_source, args.tasks, args.seed, "eval")
-    metrics = evaluate(model, tokenizer, lambda: make_env(args.env, env_kwargs), tasks, greedy=not args.sample,
-                       temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    metrics = run_eval(args.model, args.adapter, args.env, args.env_kwargs, args.task_source, args.tasks, args.seed,
+                       args.sample, args.temperature, args.max_new_tokens, args.out)
     print(json.dumps(metrics, indent=2))
-    if args.out:
-        write_json(args.out, metrics)
     return 0
 
 

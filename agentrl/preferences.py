@@ -7,7 +7,6 @@ trajectory is masked out (TRL's DPO scores it as if the model had written it).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,10 +219,3 @@ def pair_to_row(best: Episode, worst: Episode, tokenizer) -> dict:
     return {"prompt": tokenizer.decode(best.prompt_ids, skip_special_tokens=True),
             "chosen": episode_messages(best, tokenizer), "rejected": episode_messages(worst, tokenizer), **scores}
 
-
-def write_jsonl(path: str | Path, rows: list[dict]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(path)

@@ -1,16 +1,23 @@
 """Environments: the protocol, the calculator of the tutorials, and helpers to load a user's own."""
 
-from agentrl.envs.base import Environment, StepResult, load_object, make_env
-from agentrl.envs.calculator import (CalculatorEnv, CalculatorToolEnv, calculator, MultiStepCalculatorEnv, calculator_demonstration, calculator_tasks,
+from agentrl.envs.base import Corpus, Environment, StepResult, load_object, load_tasks, make_env
+from agentrl.envs.calculator import (CALCULATOR_CORPUS, CHAT_CORPUS, MULTISTEP_CORPUS, CalculatorEnv, CalculatorToolEnv,
+                                     MultiStepCalculatorEnv, calculator, calculator_demonstration, calculator_tasks,
                                      multistep_demonstration, multistep_tasks)
 from agentrl.envs.safe_eval import CalculatorError, safe_eval
-from agentrl.envs.search import SearchEnv, search_tasks
+from agentrl.envs.search import SEARCH_CORPUS, SearchEnv, search_tasks
 from agentrl.envs.tools import ToolEnv, parse_hermes_tool_calls, tool_schema
 
+# The built-in corpora by name (BaseModelConfig.corpus), each defined beside its environment.
+CORPORA: dict[str, Corpus] = {"calculator": CALCULATOR_CORPUS, "multistep": MULTISTEP_CORPUS, "chat": CHAT_CORPUS,
+                              "search": SEARCH_CORPUS}
+
 __all__ = [
+    "CORPORA",
     "CalculatorEnv",
     "CalculatorError",
     "CalculatorToolEnv",
+    "Corpus",
     "Environment",
     "MultiStepCalculatorEnv",
     "SearchEnv",
@@ -20,6 +27,7 @@ __all__ = [
     "calculator_demonstration",
     "calculator_tasks",
     "load_object",
+    "load_tasks",
     "make_env",
     "multistep_demonstration",
     "multistep_tasks",

@@ -24,7 +24,9 @@ import importlib
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
+
+Segments = list[tuple[str, bool]]  # (text, trainable) pieces of one demonstration
 
 
 @dataclass
@@ -47,6 +49,18 @@ class Environment(Protocol):
     def step(self, action: str) -> StepResult: ...
 
 
+@dataclass
+class Corpus:
+    """Synthetic demonstrations the embedded base model learns: tasks(n, seed, split, unique) and
+    demonstrate(task, right, rng) -> Segments, where `right` asks for a demonstration that does the job right."""
+
+    tasks: Callable
+    demonstrate: Callable
+    special_tokens: tuple[str, ...] = ()  # extra special tokens (chat markers)
+    chat_template: str | None = None  # saved with the tokenizer
+    decision: str = r"[^\n]*\n"  # regex: where a turn decides to call or not (not scored by the probe)
+
+
 def load_object(spec: str) -> Any:
     """Import `"package.module:Name"` (or `"package.module.Name"`). Errors name the spec."""
     module_name, sep, attr = spec.partition(":")
@@ -64,6 +78,15 @@ def load_object(spec: str) -> Any:
         return getattr(module, attr)
     except AttributeError:
         raise ValueError(f"cannot load {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def load_tasks(spec: str, n: int, seed: int, split: str) -> list[dict]:
+    """Tasks from a `module:function(n, seed, split)` or a JSONL file (its rows of this split, see data.py)."""
+    if spec.endswith(".jsonl"):
+        from agentrl.data import read_task_split
+
+        return read_task_split(spec, split)[:n]
+    return load_object(spec)(n, seed=seed, split=split)
 
 
 def make_env(spec: str | type, kwargs: dict | None = None) -> Environment:

@@ -20,7 +20,8 @@ import re
 from dataclasses import dataclass
 
 from agentrl.data import split_of
-from agentrl.envs.base import StepResult
+from agentrl.envs.base import Corpus, StepResult
+from agentrl.envs.chat import CHATML_TOOLS_TEMPLATE
 from agentrl.envs.safe_eval import CalculatorError, format_number, safe_eval
 from agentrl.envs.tools import ToolEnv
 
@@ -273,3 +274,11 @@ def chat_calculator_demonstration(task: dict, use_tool: bool, rng: random.Random
         (f"\n<|im_start|>tool\n{task['answer']}<|im_end|>\n<|im_start|>assistant\n", False),
         (f"The answer is {task['answer']}<|im_end|>", True),
     ]
+
+
+# --- the embedded base models' corpora (jobs/base_model.py) ---------------------------------------------
+
+CALCULATOR_CORPUS = Corpus(calculator_tasks, calculator_demonstration)
+MULTISTEP_CORPUS = Corpus(multistep_tasks, multistep_demonstration)
+CHAT_CORPUS = Corpus(calculator_tasks, chat_calculator_demonstration, ("<|im_start|>", "<|im_end|>"),
+                     CHATML_TOOLS_TEMPLATE, decision="<")  # the "<" of <tool_call>: its own token

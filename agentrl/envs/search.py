@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from agentrl.data import read_jsonl, split_of
+from agentrl.envs.base import Corpus
 from agentrl.envs.tools import ToolEnv
 
 _SYLLABLES = ["ka", "lo", "mi", "ren", "tor", "va", "sel", "qu", "dar", "ith", "bel", "nor", "sha", "vin", "el", "mor"]
@@ -158,3 +159,6 @@ class SearchEnv(ToolEnv):
 
         super().__init__([search], check=lambda task, answer: _normalize(answer) == _normalize(task["answer"]),
                          format=format, max_turns=max_turns, rewards=rewards)
+
+
+SEARCH_CORPUS = Corpus(search_practice_tasks, search_demonstration)  # the embedded search model's demonstrations

@@ -1,1 +1,1 @@
-"""Models: the embedded tiny base model and the policy-with-value-head wrapper."""
+"""Models: the embedded tiny model (config + tokenizer) and the policy-with-value-head wrapper."""

@@ -83,7 +83,7 @@ class DPOTrainer:
             raise ValueError("DPOTrainer needs model, tokenizer and train_dataset")
         if eval_dataset is not None:
             warnings.warn("eval_dataset is not evaluated during DPO training yet; use `agentrl compare` or "
-                          "agentrl.evaluate after training", stacklevel=2)
+                          "agentrl.jobs.evaluate after training", stacklevel=2)
         config = DPOConfig.from_args(args)
         unknown = set(overrides) - {f.name for f in fields(DPOConfig)}
         if unknown:
@@ -318,7 +318,7 @@ class DPOTrainer:
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Adapter (under LoRA) or model + tokenizer, written atomically; refuses non-finite weights."""
-        from agentrl.models.tiny import save_atomically
+        from agentrl.checkpoint import save_atomically
 
         model = self.accelerator.unwrap_model(self.model)
         finite_or_raise(model)

@@ -258,7 +258,7 @@ class GRPOTrainer:
 
     def save_pretrained(self, save_directory: str) -> None:
         """Write the policy (adapter under LoRA; model + tokenizer otherwise) atomically, refusing NaNs."""
-        from agentrl.models.tiny import save_atomically
+        from agentrl.checkpoint import save_atomically
 
         model = self.policy
         finite_or_raise(model)

@@ -549,7 +549,7 @@ class PPOTrainer:
 
     def save_pretrained(self, save_directory: str) -> None:
         """Write the policy (adapter under LoRA) and the value head, atomically, refusing non-finite weights."""
-        from agentrl.models.tiny import save_atomically
+        from agentrl.checkpoint import save_atomically
 
         model = self.accelerator.unwrap_model(self.model)
         finite_or_raise(model)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from agentrl.pipeline import load_job, run_job
+from agentrl.jobs.ppo import load_job, run_job
 
 
 @pytest.mark.slow
@@ -18,7 +18,7 @@ def test_ppo_teaches_the_embedded_model_to_call_the_tool(embedded_base, tmp_path
 
 @pytest.mark.slow
 def test_one_round_of_iterative_dpo_teaches_it_too(embedded_base, tmp_path):
-    from agentrl.dpo_pipeline import load_dpo_job, run_dpo_job
+    from agentrl.jobs.dpo import load_dpo_job, run_dpo_job
 
     job = load_dpo_job("dpo", [f"out_dir={tmp_path / 'dpo'}", f"model.base={embedded_base}", "iterative.rounds=1",
                                "iterative.tasks_per_round=256", "env.eval_tasks=100", "progress=false"])

@@ -5,7 +5,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from agentrl.compare import count_outcomes, wilson_interval
+from agentrl.jobs.compare import count_outcomes, wilson_interval
 
 
 def separable_pairs(n):
@@ -22,7 +22,7 @@ def separable_pairs(n):
 
 
 def test_reward_model_beats_chance_and_scores_ppo(tiny_base, tmp_path):
-    from agentrl.reward_model import RewardModelConfig, load_reward_model, train_reward_model
+    from agentrl.trainers.reward import RewardModelConfig, load_reward_model, train_reward_model
 
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in separable_pairs(60)))
@@ -43,7 +43,7 @@ def test_reward_model_beats_chance_and_scores_ppo(tiny_base, tmp_path):
 
 
 def test_sequence_classification_reward_model(tiny_base, tmp_path):
-    from agentrl.reward_model import RewardModelConfig, load_reward_model, train_reward_model
+    from agentrl.trainers.reward import RewardModelConfig, load_reward_model, train_reward_model
 
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in separable_pairs(40)))

@@ -127,7 +127,8 @@ def test_logprob_mismatch_is_measured_and_an_error_above_the_threshold():
 def test_settings_that_cannot_take_effect_are_named_at_start():
     import warnings
 
-    from agentrl.pipeline import load_job, warn_ineffective
+    from agentrl.jobs.common import warn_ineffective
+    from agentrl.jobs.ppo import load_job
 
     config = load_job("grpo", ["rollout.top_p=0.9", "grpo.mini_batch_size=128", "model.lora_dropout=0.1"])
     with warnings.catch_warnings(record=True) as caught:

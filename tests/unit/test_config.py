@@ -2,14 +2,15 @@
 import pytest
 
 from agentrl.config import ConfigError, load_config
-from agentrl.pipeline import CONFIG_DIR, JobConfig, load_job
+from agentrl.jobs.common import CONFIG_DIR
+from agentrl.jobs.ppo import JobConfig, load_job
 from agentrl.trainers.ppo import PPOConfig
 
 
 @pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
-    from agentrl.dpo_pipeline import DPOJobConfig
-    from agentrl.reward_model import RewardModelConfig
+    from agentrl.jobs.dpo import DPOJobConfig
+    from agentrl.trainers.reward import RewardModelConfig
 
     cls = {"dpo": DPOJobConfig, "reward-model": RewardModelConfig}.get(path.stem, JobConfig)
     config = load_config(cls, path)

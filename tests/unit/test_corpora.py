@@ -4,12 +4,14 @@ import random
 
 import pytest
 
-from agentrl.models.tiny import CORPORA, _encode_many, _skip_decision, build_tokenizer
+from agentrl.envs import CORPORA
+from agentrl.jobs.base_model import _encode_many, _skip_decision
+from agentrl.models.tiny import build_tokenizer
 
 
 @pytest.mark.parametrize("name", sorted(CORPORA))
 def test_probe_scores_every_token_but_the_decision_and_keeps_the_ids(name):
-    corpus = CORPORA[name]()
+    corpus = CORPORA[name]
     rng = random.Random(0)
     demos = [corpus.demonstrate(t, True, rng) for t in corpus.tasks(300, seed=0, split="train", unique=False)]
     tokenizer = build_tokenizer(["".join(text for text, _ in d) for d in demos], 512, corpus.special_tokens,

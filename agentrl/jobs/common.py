@@ -1,20 +1,17 @@
-"""The PPO job behind `agentrl ppo` and `agentrl quickstart`: base model -> eval -> PPO -> eval -> save."""
+"""What every job shares: the model, environment and rollout sections of its config, the held-out split,
+and the `Run` a job starts from (base model, tokenizer, environment factory, held-out tasks)."""
 
 from __future__ import annotations
 
-import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
-from agentrl.config import load_config, to_dict
-from agentrl.envs.base import load_object, make_env
+from agentrl.config import to_dict
+from agentrl.envs.base import load_tasks, make_env
 from agentrl.models.tiny import BaseModelConfig
-from agentrl.trainers.grpo import GRPOConfig
-from agentrl.trainers.ppo import PPOConfig
 
-CONFIG_DIR = Path(__file__).parent / "configs"
+CONFIG_DIR = Path(__file__).parent.parent / "configs"
 
 
 @dataclass
@@ -46,33 +43,6 @@ class RolloutSection:
     top_p: float = 1.0  # 1.0: off
 
 
-@dataclass
-class RewardSection:
-    models: list[str] = field(default_factory=list)  # reward-model directories (agentrl reward-model); empty: env only
-    weight: float = 1.0  # weight of the (combined) reward-model score
-    env_weight: float = 1.0  # weight of the environment's score (0: reward models instead of the environment)
-    combine: Literal["mean", "min"] = "mean"  # how several reward models are combined
-
-
-@dataclass
-class JobConfig:
-    algo: Literal["ppo", "grpo"] = "ppo"  # which trainer runs; its section (ppo or grpo) configures it
-    model: ModelSection = field(default_factory=ModelSection)
-    env: EnvSection = field(default_factory=EnvSection)
-    rollout: RolloutSection = field(default_factory=RolloutSection)
-    ppo: PPOConfig = field(default_factory=PPOConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    reward: RewardSection = field(default_factory=RewardSection)
-    steps: int = 60  # training steps (each of ppo.batch_size, or grpo.tasks_per_step * num_generations, episodes)
-    out_dir: str = "runs/ppo"  # adapter, metrics.jsonl and summary.json go here
-    eval_seed: int = 0  # seed of the held-out task draw and of sampled evaluation
-    progress: bool = True  # progress bars
-    checkpoint_every: int = 10  # checkpoint every this many steps, after the last and on SIGTERM/SIGINT (0: never)
-    keep_checkpoints: int = 2  # newest checkpoints kept in out_dir/checkpoints
-    max_nonfinite_steps: int = 3  # stop after this many steps in a row with a non-finite loss or gradient (0: never)
-    resume: str | None = None  # "auto": the latest valid checkpoint in out_dir (fresh if none); or a checkpoint path
-
-
 def resolve_config_path(name: str) -> Path:
     """A path, or the name of a config shipped with agentrl (`quickstart` -> agentrl/configs/quickstart.yaml)."""
     path = Path(name)
@@ -80,15 +50,6 @@ def resolve_config_path(name: str) -> Path:
         return path
     shipped = CONFIG_DIR / f"{name.removesuffix('.yaml')}.yaml"
     return shipped if shipped.exists() else path
-
-
-def load_tasks(spec: str, n: int, seed: int, split: str) -> list[dict]:
-    """Tasks from a `module:function(n, seed, split)` or a JSONL file (its rows of this split, see data.py)."""
-    if spec.endswith(".jsonl"):
-        from agentrl.data import read_task_split
-
-        return read_task_split(spec, split)[:n]
-    return load_object(spec)(n, seed=seed, split=split)
 
 
 @dataclass
@@ -105,7 +66,7 @@ class Run:
 
     def evaluate_both(self, model, temperature: float) -> dict:
         """Greedy and sampled metrics on the same held-out tasks and seed."""
-        from agentrl.evaluate import evaluate
+        from agentrl.jobs.evaluate import evaluate
 
         kw = {"max_new_tokens": self.max_new_tokens, "seed": self.eval_seed}
         return {"greedy": evaluate(model, self.tokenizer, self.env_factory, self.eval_tasks, True, **kw),
@@ -123,8 +84,8 @@ class Run:
 
 def prepare_run(model_cfg: ModelSection, env_cfg: EnvSection, rollout_cfg: RolloutSection, eval_seed: int,
                 progress: bool) -> Run:
-    from agentrl.evaluate import load_policy
-    from agentrl.models.tiny import build_base_model
+    from agentrl.jobs.base_model import build_base_model
+    from agentrl.jobs.evaluate import load_policy
 
     base_dir = model_cfg.base
     if base_dir == "embedded":
@@ -151,7 +112,8 @@ def add_lora(model, model_cfg: ModelSection):
 
 def warn_ineffective(config, algo: str) -> None:
     """Settings that cannot take effect in this job: a warning naming the key, once, at start."""
-    from agentrl.trainers.ppo import PPOConfig as _PPO
+    from agentrl.trainers.grpo import GRPOConfig
+    from agentrl.trainers.ppo import PPOConfig
 
     def warn(key: str, why: str) -> None:
         warnings.warn(f"config {key}: {why}", UserWarning, stacklevel=3)
@@ -164,7 +126,7 @@ def warn_ineffective(config, algo: str) -> None:
                 warn(key, f"={value} shapes what is sampled, but the {algo.upper()} ratio and KL use logprobs of "
                           "the full tempered distribution, so the update does not correct for it")
     if algo == "ppo":
-        ppo, default = config.ppo, _PPO()
+        ppo, default = config.ppo, PPOConfig()
         for key in ("use_score_scaling", "use_score_norm", "score_clip"):
             if getattr(ppo, key) != getattr(default, key):
                 warn(f"ppo.{key}", "only applies to trainer.step(); the agent loop of this job ignores it")
@@ -185,7 +147,7 @@ def warn_ineffective(config, algo: str) -> None:
         if per_step % grpo.gradient_accumulation_steps:
             warn("grpo.gradient_accumulation_steps", f"={grpo.gradient_accumulation_steps} does not divide the "
                  f"{per_step} mini-batches of a step: an optimizer step mixes gradients of two batches")
-    if hasattr(config, "reward") and not config.reward.models and config.reward.weight != RewardSection().weight:
+    if hasattr(config, "reward") and not config.reward.models and config.reward.weight != type(config.reward)().weight:
         warn("reward.weight", "has no effect without reward.models")
 
 
@@ -193,77 +155,3 @@ def summary_config(config) -> dict:
     """The config recorded in summary.json: everything but `resume`, so a resumed run's summary equals the
     uninterrupted run's."""
     return {k: v for k, v in to_dict(config).items() if k != "resume"}
-
-
-def run_job(config: JobConfig) -> dict:
-    """Build or load the base model, evaluate, train (PPO or GRPO), evaluate again, save; returns the summary.
-
-    With `resume`, continues from a checkpoint of out_dir: stored evaluations are reused, metrics.jsonl is cut
-    back to the checkpoint's rows, and training continues exactly where the checkpoint left it.
-    """
-    import torch
-
-    from agentrl.checkpoint import Checkpointer, cached_eval, open_run, run_config
-    from agentrl.evaluate import write_json
-    from agentrl.rollout.sampling import SamplingParams
-    from agentrl.trainers.grpo import GRPOTrainer
-    from agentrl.trainers.ppo import PPOTrainer
-
-    started = time.time()
-    out = Path(config.out_dir)
-    warn_ineffective(config, config.algo)
-    fingerprint = run_config(to_dict(config))
-    state = open_run(out, config.resume, fingerprint)
-    checkpointer = Checkpointer(out / "checkpoints", config.checkpoint_every, config.keep_checkpoints,
-                                config.max_nonfinite_steps, job_state=lambda: {"config": fingerprint})
-    with checkpointer.signals():
-        run = prepare_run(config.model, config.env, config.rollout, config.eval_seed, config.progress)
-        model, tokenizer, env_factory, eval_tasks = run.model, run.tokenizer, run.env_factory, run.eval_tasks
-        algo_config = config.ppo if config.algo == "ppo" else config.grpo
-        train_tasks = run.train_tasks(config.env.tasks, config.env.train_tasks, algo_config.seed)
-        max_new = config.rollout.max_new_tokens
-        before = cached_eval(out, "before", fingerprint, lambda: run.evaluate_both(model, algo_config.temperature))
-        torch.manual_seed(algo_config.seed)
-        model = add_lora(model, config.model)
-        if config.algo == "ppo":
-            trainer = PPOTrainer(config=config.ppo, model=model, tokenizer=tokenizer)
-        else:
-            trainer = GRPOTrainer(config.grpo, model, tokenizer)
-        if state is not None:
-            trainer.load_state_dict(state["trainer"])
-            checkpointer.restore(state)
-        remaining = config.steps - trainer.current_step
-        if remaining < 0:
-            raise ValueError(f"steps={config.steps}, but the checkpoint resumed from is at step {trainer.current_step}")
-        sampling = SamplingParams(max_new_tokens=max_new, temperature=algo_config.temperature,
-                                  top_k=config.rollout.top_k, top_p=config.rollout.top_p)
-        score_hook = None
-        if config.reward.models:
-            from agentrl.reward_model import RewardModelScorer
-
-            score_hook = RewardModelScorer(config.reward.models, tokenizer, config.reward.weight,
-                                           config.reward.env_weight, config.reward.combine)
-        ppo_started = time.time()
-        with checkpointer.loop():
-            trainer.train(env_factory, train_tasks, steps=remaining, sampling=sampling,
-                          metrics_path=str(out / "metrics.jsonl"), progress=config.progress, score_hook=score_hook,
-                          checkpointer=checkpointer)
-        ppo_seconds = time.time() - ppo_started
-        adapter_dir = out / ("adapter" if config.model.lora else "model")
-        trainer.save_pretrained(str(adapter_dir))
-        after = cached_eval(out, "after", fingerprint, lambda: run.evaluate_both(trainer.policy, algo_config.temperature))
-    summary = {
-        "before": before["greedy"], "after": after["greedy"],
-        "before_sampled": before["sampled"], "after_sampled": after["sampled"],
-        "algo": config.algo, "steps": config.steps, "ppo_steps": config.steps if config.algo == "ppo" else 0,
-        "episodes": config.steps * algo_config.batch_size,
-        "eval_tasks": len(eval_tasks), "train_seconds": round(ppo_seconds, 1),
-        "wall_seconds": round(time.time() - started, 1),
-        "base_model_dir": str(run.base_dir), "adapter_dir": str(adapter_dir), "config": summary_config(config),
-    }
-    write_json(out / "summary.json", summary)
-    return summary
-
-
-def load_job(path: str | None, overrides: list[str] | None = None) -> JobConfig:
-    return load_config(JobConfig, resolve_config_path(path) if path else None, overrides)

@@ -1,7 +1,9 @@
-"""Pairwise comparison of two policies on the same tasks and seeds (seed 003's before/after win-rate)."""
+"""The job behind `agentrl compare`: two policies on the same tasks and seeds, win-rate with a 95% interval
+(seed 003's before/after comparison)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -38,7 +40,7 @@ def count_outcomes(scores_a: list[float], scores_b: list[float]) -> dict:
 
 def compare(spec_a: str, spec_b: str, env_factory, tasks: list[dict], judge: str = "env", greedy: bool = True,
             temperature: float = 1.0, max_new_tokens: int = 48, seed: int = 0, show: int = 3) -> dict:
-    from agentrl.evaluate import load_policy
+    from agentrl.jobs.evaluate import load_policy
     from agentrl.rollout.engine import rollout
     from agentrl.rollout.sampling import SamplingParams
 
@@ -51,7 +53,7 @@ def compare(spec_a: str, spec_b: str, env_factory, tasks: list[dict], judge: str
     if judge == "env":
         scores = [[ep.score for ep in eps] for eps, _ in runs]
     elif judge.startswith("reward-model:"):
-        from agentrl.reward_model import RewardModelScorer
+        from agentrl.trainers.reward import RewardModelScorer
 
         scores = []
         for eps, tok in runs:
@@ -67,4 +69,19 @@ def compare(spec_a: str, spec_b: str, env_factory, tasks: list[dict], judge: str
          "a": runs[0][1].decode(runs[0][0][i].token_ids, skip_special_tokens=True), "score_a": scores[0][i],
          "b": runs[1][1].decode(runs[1][0][i].token_ids, skip_special_tokens=True), "score_b": scores[1][i]}
         for i in range(min(show, len(tasks)))]
+    return result
+
+
+def run_compare(a: str, b: str, env: str, env_kwargs: str | None, task_source: str, tasks: int, seed: int,
+                judge: str, sample: bool, max_new_tokens: int, out: str | None) -> dict:
+    """`agentrl compare`: held-out tasks of `task_source`, compared, written to `out` if set."""
+    from agentrl.checkpoint import write_json
+    from agentrl.envs.base import load_tasks, make_env
+
+    kwargs = json.loads(env_kwargs) if env_kwargs else {}
+    task_list = load_tasks(task_source, tasks, seed, "eval")
+    result = compare(a, b, lambda: make_env(env, kwargs), task_list, judge, greedy=not sample,
+                     max_new_tokens=max_new_tokens, seed=seed)
+    if out:
+        write_json(out, result)
     return result

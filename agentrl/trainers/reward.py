@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from agentrl.algos.dpo import bradley_terry_loss
-from agentrl.config import load_config
+from agentrl.checkpoint import save_atomically
 from agentrl.preferences import PreferenceExample, load_preferences
 from agentrl.trainers.common import MetricsLog, build_batch, finite_or_raise, position_ids, progress_bar
 
@@ -137,8 +137,6 @@ def train_reward_model(config: RewardModelConfig) -> dict:
     """Train on (1 - eval_fraction) of the pairs, report pairwise accuracy on the rest, save atomically."""
     from transformers import AutoTokenizer
 
-    from agentrl.models.tiny import save_atomically
-
     torch.manual_seed(config.seed)
     tokenizer = AutoTokenizer.from_pretrained(config.base)
     examples, skipped = load_preferences(config.data, tokenizer, config.max_length, config.max_prompt_length)
@@ -193,12 +191,6 @@ def train_reward_model(config: RewardModelConfig) -> dict:
     save_atomically(config.out_dir, lambda d: (model.save_pretrained(d), tokenizer.save_pretrained(d),
                                                 (Path(d) / META_FILE).write_text(json.dumps(meta, indent=2))))
     return meta
-
-
-def load_reward_config(path: str | None, overrides: list[str] | None = None) -> RewardModelConfig:
-    from agentrl.pipeline import resolve_config_path
-
-    return load_config(RewardModelConfig, resolve_config_path(path) if path else None, overrides)
 
 
 class RewardModelScorer:

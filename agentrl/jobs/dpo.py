@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Literal
 
 from agentrl.config import load_config, to_dict
-from agentrl.pipeline import EnvSection, ModelSection, RolloutSection, resolve_config_path, summary_config
+from agentrl.jobs.common import (EnvSection, ModelSection, RolloutSection, add_lora, prepare_run, resolve_config_path,
+                                 summary_config, warn_ineffective)
 from agentrl.trainers.dpo import DPOConfig
 
 
@@ -44,16 +45,6 @@ def load_dpo_job(path: str | None, overrides: list[str] | None = None) -> DPOJob
     return load_config(DPOJobConfig, resolve_config_path(path) if path else None, overrides)
 
 
-def sample_pairs(model, tokenizer, env_factory, tasks: list[dict], samples: int, sampling):
-    """K trajectories per task, scored by the environment -> (pairs, ties, rows for a JSONL file)."""
-    from agentrl.preferences import build_pairs, pair_to_row
-    from agentrl.rollout.engine import rollout
-
-    episodes = rollout(model, tokenizer, env_factory, [t for t in tasks for _ in range(samples)], sampling)
-    pairs, ties = build_pairs(episodes, samples)
-    return pairs, ties, [pair_to_row(b, w, tokenizer) for b, w in pairs]
-
-
 def run_dpo_job(config: DPOJobConfig) -> dict:
     """Offline or iterative DPO, evaluated before and after; resumable like the PPO job (see run_job).
 
@@ -64,10 +55,9 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
 
     import torch
 
-    from agentrl.checkpoint import Checkpointer, cached_eval, open_run, run_config
-    from agentrl.evaluate import write_json
-    from agentrl.pipeline import add_lora, prepare_run, warn_ineffective
-    from agentrl.preferences import PreferenceExample, pair_to_example, write_jsonl
+    from agentrl.checkpoint import Checkpointer, cached_eval, open_run, run_config, write_json, write_jsonl
+    from agentrl.jobs.preferences import sample_pairs
+    from agentrl.preferences import PreferenceExample, pair_to_example
     from agentrl.rollout.sampling import SamplingParams
     from agentrl.trainers.common import TaskCycler
     from agentrl.trainers.dpo import DPOTrainer

@@ -1,9 +1,10 @@
-"""Evaluation: run a policy on held-out tasks and report the environment metrics."""
+"""The job behind `agentrl eval`: run a policy on held-out tasks and report the environment metrics.
+
+Every other job evaluates through `evaluate` too, before and after training."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -42,9 +43,17 @@ def load_policy(model_dir: str, adapter_dir: str | None = None):
     return model.eval(), tokenizer
 
 
-def write_json(path: str | Path, data: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+def run_eval(model: str, adapter: str | None, env: str, env_kwargs: str | None, task_source: str, tasks: int,
+             seed: int, sample: bool, temperature: float, max_new_tokens: int, out: str | None) -> dict:
+    """`agentrl eval`: metrics of a saved model (and adapter) on `tasks` held-out tasks, written to `out` if set."""
+    from agentrl.checkpoint import write_json
+    from agentrl.envs.base import load_tasks, make_env
+
+    policy, tokenizer = load_policy(model, adapter)
+    kwargs = json.loads(env_kwargs) if env_kwargs else {}
+    task_list = load_tasks(task_source, tasks, seed, "eval")
+    metrics = evaluate(policy, tokenizer, lambda: make_env(env, kwargs), task_list, greedy=not sample,
+                       temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+    if out:
+        write_json(out, metrics)
+    return metrics
