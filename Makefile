@@ -17,18 +17,23 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	.venv/bin/agentrl quickstart --out runs/quickstart
+	.venv/bin/agentrl report runs/quickstart
 
 demo-grpo: $(STAMP)
 	.venv/bin/agentrl grpo --config grpo out_dir=runs/grpo
+	.venv/bin/agentrl report runs/grpo
 
 demo-dpo: $(STAMP)
 	.venv/bin/agentrl dpo --config dpo out_dir=runs/dpo
+	.venv/bin/agentrl report runs/dpo
 
 demo-chat: $(STAMP)
 	.venv/bin/agentrl ppo --config chat out_dir=runs/chat
+	.venv/bin/agentrl report runs/chat
 
 demo-search: $(STAMP)
 	.venv/bin/agentrl ppo --config search out_dir=runs/search
+	.venv/bin/agentrl report runs/search
 
 test: $(STAMP)
 	$(PY) -m pytest -q

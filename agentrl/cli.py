@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def _cmd_base_model(args) -> int:
@@ -64,14 +65,17 @@ def _cmd_reward_model(args) -> int:
 def _cmd_compare(args) -> int:
     from agentrl.jobs.compare import run_compare
 
+    samples_path = args.samples_out or (str(Path(args.out).with_name("samples.jsonl")) if args.out else None)
     result = run_compare(args.a, args.b, args.env, args.env_kwargs, args.task_source, args.tasks, args.seed, args.judge,
-                         args.sample, args.max_new_tokens, args.out)
+                         args.sample, args.max_new_tokens, args.out, samples_path)
     low, high = result["ci95"]
     print(f"A: {args.a}\nB: {args.b}\njudge: {args.judge}, {result['n']} tasks")
     print(f"A wins {result['wins']}, ties {result['ties']}, losses {result['losses']}; "
           f"win-rate of A {result['win_rate']:.3f} (95% CI {low:.3f}-{high:.3f})")
     for s in result["samples"]:
         print(f"\n{s['task']}\n  A ({s['score_a']:+.2f}): {s['a']!r}\n  B ({s['score_b']:+.2f}): {s['b']!r}")
+    if samples_path:
+        print(f"A/B episodes: {samples_path} (agentrl report {Path(samples_path).parent})")
     return 0
 
 
@@ -91,6 +95,18 @@ def _cmd_eval(args) -> int:
     metrics = run_eval(args.model, args.adapter, args.env, args.env_kwargs, args.task_source, args.tasks, args.seed,
                        args.sample, args.temperature, args.max_new_tokens, args.out)
     print(json.dumps(metrics, indent=2))
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from agentrl.jobs.report import run_report
+
+    if bool(args.run) == bool(args.compare):
+        raise SystemExit("agentrl report: give RUN_DIR or --compare RUN_A RUN_B (one of them)")
+    path = run_report(args.run, args.compare, args.out, args.screenshot)
+    print(f"report: {Path(path).resolve()}")
+    if args.screenshot:
+        print(f"screenshot: {args.screenshot}")
     return 0
 
 
@@ -158,12 +174,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--judge", default="env", help="env, or reward-model:PATH")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--out", default=None, help="also write the result to this JSON file")
+    p.add_argument("--samples-out", default=None,
+                   help="A/B episodes for `agentrl report` (default: samples.jsonl beside --out)")
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("quickstart", help="base model -> eval -> PPO -> eval, on the calculator")
     p.add_argument("--out", default="runs/quickstart")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the quickstart config")
     p.set_defaults(func=_cmd_quickstart)
+
+    p = sub.add_parser("report", help="write RUN_DIR/report.html: summary, curves and episodes of a run")
+    p.add_argument("run", nargs="?", help="a run directory (out_dir of a ppo/grpo/dpo job)")
+    p.add_argument("--compare", nargs=2, metavar=("RUN_A", "RUN_B"), help="overlay two runs' curves")
+    p.add_argument("--out", default=None, help="HTML file to write (default: in the (first) run directory)")
+    p.add_argument("--screenshot", default=None, help="also save a PNG of the page (needs Chromium)")
+    p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("eval", help="evaluate a model (and adapter) on held-out tasks")
     p.add_argument("--model", required=True)

@@ -49,15 +49,8 @@ def read_preference_rows(source) -> tuple[list[dict], str]:
     return [dict(r) for r in ds], str(source)
 
 
-def _added(text: str, previous: str, where: str) -> str:
-    """What rendering one more message adds to the conversation's text."""
-    if not text.startswith(previous):
-        raise PreferenceDataError(f"{where}: the chat template rewrites earlier turns; cannot mask by message")
-    return text[len(previous):]
-
-
 def _segments(value, field: str, where: str, tokenizer, prompt_messages: list | None,
-              tools: list[dict] | None = None) -> list[tuple[str, bool]]:
+              tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[tuple[str, bool]]:
     """A completion as (text, is_assistant) segments. Strings are one assistant segment."""
     if isinstance(value, str):
         if not value.strip():
@@ -66,39 +59,45 @@ def _segments(value, field: str, where: str, tokenizer, prompt_messages: list | 
     if not isinstance(value, list) or not value:
         raise PreferenceDataError(f"{where}: field {field!r} must be a non-empty string or list of messages")
     for k, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (
+                isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls"))):
             raise PreferenceDataError(f"{where}: field {field!r} message {k} needs string 'role' and 'content'")
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in value):
+    if not any(m["role"] == "assistant" and ((m["content"] or "").strip() or m.get("tool_calls")) for m in value):
         raise PreferenceDataError(f"{where}: field {field!r} has no assistant message")
     if _templated(tokenizer, prompt_messages):
-        # Render growing prefixes with the template. As in a chat rollout, the mask is 1 on what the policy
-        # writes (an assistant message's content and its turn-end marker) and 0 on the template's scaffolding
-        # (separators, tool messages, the generation prompt before each later assistant turn).
-        from agentrl.envs.chat import turn_end_marker
+        # As in a chat rollout, the mask is 1 on what the policy writes (an assistant turn as the template
+        # renders it, through its turn-end marker) and 0 on the rest: the template's own text for the
+        # messages between assistant turns, up to the next generation prompt. History is never re-rendered,
+        # so templates that rewrite earlier turns (Qwen3, Mistral, Hermes' tool_use) work too.
+        from agentrl.envs.chat import TemplateDriftError, appended_text, assistant_text, turn_end_marker
 
-        def render(messages: list, generation_prompt: bool) -> str:
-            return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                 add_generation_prompt=generation_prompt)
-
-        turn_end, segments, history = turn_end_marker(tokenizer, tools), [], list(prompt_messages)
-        previous = render(history, True)
-        for k, m in enumerate(value):
-            assistant = m["role"] == "assistant"
-            if assistant and k > 0:  # the generation prompt before a later assistant turn: scaffolding
-                text = render(history, True)
-                segments.append((_added(text, previous, where), False))
-                previous = text
-            history.append(m)
-            text = render(history, False)
-            added, own = _added(text, previous, where), m["content"] + turn_end
-            if assistant and added.startswith(own):  # what the policy writes; the separator after it is scaffolding
-                segments += [(own, True), (added[len(own):], False)]
-            else:  # tool messages; or a template that rewrites the content (trims it, renders tool calls, ...)
-                segments.append((added, assistant))
-            previous = text
+        try:
+            turn_end, segments, history = turn_end_marker(tokenizer, tools, template_kwargs), [], list(prompt_messages)
+            k = 0
+            while k < len(value):
+                if value[k]["role"] == "assistant":
+                    segments.append((assistant_text(tokenizer, history, value[k], tools, turn_end, template_kwargs),
+                                     True))
+                    history.append(value[k])
+                    k += 1
+                    if k < len(value) and value[k]["role"] == "assistant":  # two turns in a row
+                        segments.append((appended_text(tokenizer, history, [], tools, turn_end, template_kwargs),
+                                         False))
+                    continue
+                run = [value[k]]
+                while k + len(run) < len(value) and value[k + len(run)]["role"] != "assistant":
+                    run.append(value[k + len(run)])
+                if not history or history[-1]["role"] != "assistant":
+                    raise PreferenceDataError(f"{where}: field {field!r} message {k} ({run[0]['role']}) must follow "
+                                              f"an assistant message")
+                segments.append((appended_text(tokenizer, history, run, tools, turn_end, template_kwargs), False))
+                history += run
+                k += len(run)
+        except TemplateDriftError as e:
+            raise PreferenceDataError(f"{where}: field {field!r}: {e}") from e
         return segments
     # No chat template: the trajectory is ReAct text, roles implicit; concatenate the contents.
-    return [(m["content"], m["role"] == "assistant") for m in value]
+    return [(m["content"] or "", m["role"] == "assistant") for m in value]
 
 
 def _templated(tokenizer, prompt_messages: list | None) -> bool:
@@ -110,14 +109,17 @@ def tokenize_row(row: dict, tokenizer, where: str, max_length: int, max_prompt_l
     for field in ("prompt", "chosen", "rejected"):
         if field not in row:
             raise PreferenceDataError(f"{where}: missing field {field!r}")
-    prompt, tools = row["prompt"], row.get("tools")
+    prompt, tools, template_kwargs = row["prompt"], row.get("tools"), row.get("chat_template_kwargs")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise PreferenceDataError(f"{where}: field 'tools' must be a list of tool schemas (objects)")
+    if template_kwargs is not None and not isinstance(template_kwargs, dict):
+        raise PreferenceDataError(f"{where}: field 'chat_template_kwargs' must be an object")
     prompt_messages = None
     if isinstance(prompt, list):
         prompt_messages = prompt
         if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True,
+                                                 **(template_kwargs or {}))
             prompt_ids = encode_prompt(tokenizer, text)  # the ids the rollout engine gives the same prompt
         else:
             prompt_ids = tokenizer("".join(m.get("content", "") for m in prompt))["input_ids"]
@@ -134,7 +136,7 @@ def tokenize_row(row: dict, tokenizer, where: str, max_length: int, max_prompt_l
     budget = max_length - len(prompt_ids)
     out = []
     for field in ("chosen", "rejected"):
-        segments = _segments(row[field], field, where, tokenizer, prompt_messages, tools)
+        segments = _segments(row[field], field, where, tokenizer, prompt_messages, tools, template_kwargs)
         pieces = tokenizer([t for t, _ in segments], add_special_tokens=False)["input_ids"]
         ids, mask = [], []
         for piece, (_, assistant) in zip(pieces, segments):
@@ -215,7 +217,8 @@ def pair_to_row(best: Episode, worst: Episode, tokenizer) -> dict:
     if best.messages is not None and worst.messages is not None:
         n = next(i for i, m in enumerate(best.messages) if m["role"] == "assistant")  # system + user prompt
         row = {"prompt": best.messages[:n], "chosen": best.messages[n:], "rejected": worst.messages[n:]}
-        return {**row, **({"tools": best.tools} if best.tools else {}), **scores}
+        kwargs = {"chat_template_kwargs": best.chat_template_kwargs} if best.chat_template_kwargs else {}
+        return {**row, **({"tools": best.tools} if best.tools else {}), **kwargs, **scores}
     return {"prompt": tokenizer.decode(best.prompt_ids, skip_special_tokens=True),
             "chosen": episode_messages(best, tokenizer), "rejected": episode_messages(worst, tokenizer), **scores}
 

@@ -249,10 +249,12 @@ def numeric_match(task: dict, answer: str) -> bool:
 
 
 class CalculatorToolEnv(ToolEnv):
-    """CalculatorEnv's tasks through ToolEnv: `react` text or `chat` (Hermes JSON tool calls)."""
+    """CalculatorEnv's tasks through ToolEnv: `react` text or `chat` (tool calls in the template's family's form)."""
 
-    def __init__(self, format: str = "chat", max_turns: int = 3, rewards: dict | None = None):
-        super().__init__([calculator], check=numeric_match, format=format, max_turns=max_turns, rewards=rewards)
+    def __init__(self, format: str = "chat", max_turns: int = 3, rewards: dict | None = None,
+                 tool_parser: str | None = None, chat_template_kwargs: dict | None = None):
+        super().__init__([calculator], check=numeric_match, format=format, max_turns=max_turns, rewards=rewards,
+                         tool_parser=tool_parser, chat_template_kwargs=chat_template_kwargs)
 
 
 def chat_calculator_demonstration(task: dict, use_tool: bool, rng: random.Random) -> list[tuple[str, bool]]:

@@ -1,35 +1,52 @@
 """Conversations rendered by a tokenizer's own chat template, appended turn by turn without token drift.
 
-Token-in-token-out needs each turn's ids to be the previous ids plus a new segment. Templates that
-rewrite history (drop earlier reasoning, re-date the system prompt, ...) break that, so the check below
-runs once per tokenizer and fails with one error naming the template instead of training on drifted ids.
+Token-in-token-out does not need the template to be prefix-preserving, and most are not: Qwen3 drops or
+adds `<think>` blocks in earlier turns, Mistral moves the system prompt and the tool list to the last user
+message, Hermes' tool_use template ends the last tool message differently, Llama 3.2 stamps today's date.
+So history is never re-rendered for training ids. The prompt is the template's rendering; after that, each
+environment reply is the template's own text for the new messages only, appended right after the ids the
+policy sampled:
+
+    new text = render(history + [assistant as sampled] + new messages, generation prompt)
+               after the end of that assistant turn (the turn-end marker that closes it)
+
+The end of the assistant turn is found by rendering the same conversation once more with a marker in the
+assistant message (its content and tool-call names), and the text after it must be the same in both
+renderings and carry every new message's content; otherwise the error names the template and the message.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import re
 
-_CHECKED: dict[int, str] = {}
 _MARK = "AGENTRL_TURN_MARK"
+_MARK_END = "AGENTRL_CONTENT_END"
+_EXTRA_TURN_ENDS = ("<|eom_id|>",)  # Llama 3.1 ends a `<|python_tag|>` call with it ("end of message")
+_TURN_ENDS: dict[tuple, str] = {}
 
 
 class TemplateDriftError(ValueError):
-    """The chat template is not prefix-preserving: a longer conversation re-renders earlier turns."""
+    """The chat template's text for new messages cannot be told apart from the turns before them."""
 
 
-def _render(tokenizer, messages, tools, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+def render(tokenizer, messages: list[dict], tools: list[dict] | None, generation_prompt: bool,
+           template_kwargs: dict | None = None) -> str:
+    """The template's text for `messages` (transformers' renderer: trim_blocks, its own tojson)."""
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=generation_prompt, **(template_kwargs or {}))
 
 
 def _template_name(tokenizer) -> str:
     return f"the chat template of {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__}"
 
 
-def turn_end_marker(tokenizer, tools: list[dict] | None = None) -> str:
-    """What the template writes right after an assistant message's content (`<|im_end|>`, `<|eot_id|>`):
-    the token the model samples to end its turn."""
+def turn_end_marker(tokenizer, tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+    """What the template writes right after an assistant message's content (`<|im_end|>`, `<|eot_id|>`,
+    `</s>`): the token the model samples to end its turn."""
     messages = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": _MARK}]
-    marked = _render(tokenizer, messages, tools, False)
+    marked = render(tokenizer, messages, tools, False, template_kwargs)
     after = marked.split(_MARK, 1)[1] if _MARK in marked else ""
     turn_end = after.strip() or (tokenizer.eos_token or "")
     if not turn_end:
@@ -37,83 +54,165 @@ def turn_end_marker(tokenizer, tools: list[dict] | None = None) -> str:
     return turn_end
 
 
+def _marked(message: dict) -> dict:
+    """The assistant message with the marker in its content and its tool-call names: templates render one
+    or the other (Llama and Mistral drop the content of a tool-call message)."""
+    marked = copy.deepcopy(message)
+    marked["content"] = _MARK
+    for call in marked.get("tool_calls") or []:
+        call["function"]["name"] = _MARK + call["function"]["name"]
+    return marked
+
+
+def appended_text(tokenizer, history: list[dict], new: list[dict], tools: list[dict] | None, turn_end: str,
+                  template_kwargs: dict | None = None) -> str:
+    """The template's text for `new` messages after `history`, whose last message is an assistant turn,
+    followed by the generation prompt: what to append after the ids the policy sampled for that turn."""
+    where = f"{_template_name(tokenizer)}: message {len(history)} ({', '.join(m['role'] for m in new)})"
+    if not history or history[-1].get("role") != "assistant":
+        raise TemplateDriftError(f"{where}: new messages must follow an assistant turn")
+    try:
+        full = render(tokenizer, history + new, tools, True, template_kwargs)
+        marked = render(tokenizer, history[:-1] + [_marked(history[-1])] + new, tools, True, template_kwargs)
+    except Exception as e:  # jinja's TemplateError and the templates' own raise_exception
+        raise TemplateDriftError(f"{where}: the template refused the conversation: {e}") from e
+    start = marked.rfind(_MARK)
+    end = marked.find(turn_end, start) if start >= 0 else -1
+    if end < 0:
+        raise TemplateDriftError(f"{where}: cannot find where assistant message {len(history) - 1} ends (the "
+                                 f"template renders neither its content nor its tool calls, or no {turn_end!r})")
+    text = marked[end + len(turn_end):]
+    if not full.endswith(text):
+        raise TemplateDriftError(f"{where}: the text of the new messages depends on the assistant turn before "
+                                 f"them; cannot append it without re-rendering history")
+    position = 0
+    for k, m in enumerate(new):  # each new message's content, in order, inside the appended text
+        content = m.get("content")
+        if isinstance(content, str) and content:  # as is, or as a JSON string (Llama 3's ipython turns)
+            found = min((f for f in (text.find(content, position), text.find(json.dumps(content)[1:-1], position))
+                         if f >= 0), default=-1)
+            if found < 0:
+                raise TemplateDriftError(f"{where}: the content of new message {len(history) + k} ({m['role']}) "
+                                         f"is not in the text the template adds for it: {text!r}")
+            position = found + len(content)
+    return text
+
+
+def assistant_text(tokenizer, history: list[dict], message: dict, tools: list[dict] | None, turn_end: str,
+                   template_kwargs: dict | None = None) -> str:
+    """The template's text for one assistant `message` after `history` (which ends with the generation
+    prompt): what the policy writes for that turn, its turn-end marker included. For data written from
+    messages (preference rows), where the turn is rendered from its structured form."""
+    where = f"{_template_name(tokenizer)}: message {len(history)} (assistant)"
+    try:
+        full = render(tokenizer, history + [message], tools, False, template_kwargs)
+        marked = render(tokenizer, history + [_marked(message)], tools, False, template_kwargs)
+        prompt = render(tokenizer, history, tools, True, template_kwargs)
+        plain = render(tokenizer, history, tools, False, template_kwargs)
+    except Exception as e:  # jinja's TemplateError and the templates' own raise_exception
+        raise TemplateDriftError(f"{where}: the template refused the conversation: {e}") from e
+    start = marked.rfind(_MARK)
+    end = marked.find(turn_end, start) if start >= 0 else -1
+    if end < 0:
+        raise TemplateDriftError(f"{where}: cannot find where the assistant turn ends")
+    tail = len(marked) - end - len(turn_end)  # what the template writes after the turn end
+    if full[len(full) - tail:] != marked[len(marked) - tail:]:
+        raise TemplateDriftError(f"{where}: the text after the turn depends on its content")
+    end = len(full) - tail
+    begin = len(prompt) if full.startswith(prompt) else _turn_start(tokenizer, history, message, tools,
+                                                                      template_kwargs, full, marked, prompt, plain)
+    if begin < 0:
+        raise TemplateDriftError(f"{where}: cannot find where the assistant turn starts")
+    return full[begin:end]
+
+
+def _turn_start(tokenizer, history, message, tools, template_kwargs, full, marked, prompt, plain) -> int:
+    """Where an assistant turn starts in `full` when the template re-renders the end of history once a turn
+    follows (Mistral drops the system prompt from the last user message, Hermes' tool_use template ends the
+    last tool message differently). -1 when it cannot be told."""
+    last = history[-1]
+    if isinstance(last.get("content"), str):
+        # 1. Mark the end of the previous message's content: the turn starts after what the template writes
+        # between that mark and the generation prompt's end, if it writes the same with the turn after it.
+        ended = history[:-1] + [dict(last, content=last["content"] + _MARK_END)]
+        prompt_marked = render(tokenizer, ended, tools, True, template_kwargs)
+        full_marked = render(tokenizer, ended + [message], tools, False, template_kwargs)
+        if prompt_marked.count(_MARK_END) == 1 and full_marked.count(_MARK_END) == 1:
+            closing = prompt_marked.split(_MARK_END, 1)[1]
+            after = full_marked.index(_MARK_END) + len(_MARK_END)
+            if full_marked.startswith(closing, after):  # same text after the mark: count from the end
+                return len(full) - (len(full_marked) - after - len(closing))
+    # 2. The turn starts after the last generation prompt before the first character the marker changed.
+    generation_prompt = prompt[len(plain):] if prompt.startswith(plain) else ""
+    same = next((i for i, (a, b) in enumerate(zip(full, marked)) if a != b), min(len(full), len(marked)))
+    found = full.rfind(generation_prompt, 0, same) if generation_prompt else -1
+    return found + len(generation_prompt) if found >= 0 else -1
+
+
 class ChatRenderer:
-    def __init__(self, tokenizer, tools: list[dict], turn_end: str):
+    """One conversation: the prompt as the template renders it, then the text to append after each turn."""
+
+    def __init__(self, tokenizer, tools: list[dict], turn_end: str, template_kwargs: dict | None = None):
         self.tokenizer, self.tools, self.turn_end = tokenizer, tools, turn_end
+        self.template_kwargs = dict(template_kwargs or {})
+        special = set(getattr(tokenizer, "all_special_tokens", ()))
+        special |= set(getattr(tokenizer, "added_tokens_encoder", {}))
+        self.turn_ends = (turn_end,) + tuple(t for t in _EXTRA_TURN_ENDS if t in special and t != turn_end)
         self.messages: list[dict] = []
-        self.text = ""
 
     @classmethod
-    def for_tokenizer(cls, tokenizer, tools: list[dict]) -> "ChatRenderer":
+    def for_tokenizer(cls, tokenizer, tools: list[dict], template_kwargs: dict | None = None) -> "ChatRenderer":
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"format 'chat' needs a tokenizer with a chat template; {_template_name(tokenizer)} is missing")
-        key = id(tokenizer)
-        if key not in _CHECKED:
-            _CHECKED[key] = cls._check(tokenizer, tools)
-        return cls(tokenizer, tools, _CHECKED[key])
-
-    @staticmethod
-    def _check(tokenizer, tools) -> str:
-        """Probe the template once; return its end-of-turn marker (what follows an assistant message)."""
-        user = [{"role": "user", "content": "What is 2 + 2?"}]
-        turn_end = turn_end_marker(tokenizer, tools)
-        call = '<tool_call>{"name": "probe", "arguments": {}}</tool_call>'
-        short = _render(tokenizer, user, tools, True)
-        long = _render(tokenizer, user + [{"role": "assistant", "content": call}, {"role": "tool", "content": "4"}],
-                       tools, True)
-        produced = short + call + turn_end
-        if not long.startswith(produced):
-            raise TemplateDriftError(f"{_template_name(tokenizer)} is not prefix-preserving: adding a turn re-renders "
-                                     f"the earlier ones, so appended token ids would drift from what the model saw")
-        ids = lambda text, special=True: tokenizer(text, add_special_tokens=special)["input_ids"]  # noqa: E731
-        if ids(long) != ids(produced) + ids(long[len(produced):], False):
-            raise TemplateDriftError(f"{_template_name(tokenizer)} renders turns whose tokens merge across the turn "
-                                     f"boundary; appended token ids would drift")
-        return turn_end
+        # One probe per tokenizer and template arguments, not per episode (environments are made per episode).
+        key = (id(tokenizer), str(tokenizer.chat_template), repr(sorted((template_kwargs or {}).items())))
+        if key not in _TURN_ENDS:
+            _TURN_ENDS[key] = turn_end_marker(tokenizer, tools, template_kwargs)
+        return cls(tokenizer, tools, _TURN_ENDS[key], template_kwargs)
 
     @property
     def stop_pattern(self) -> str:
-        return re.escape(self.turn_end)
+        return "|".join(re.escape(t) for t in self.turn_ends)
 
     def start(self, messages: list[dict]) -> str:
         """The prompt: the conversation so far with the generation prompt."""
         self.messages = list(messages)
-        self.text = _render(self.tokenizer, self.messages, self.tools, True)
-        return self.text
+        return render(self.tokenizer, self.messages, self.tools, True, self.template_kwargs)
 
     def content(self, sampled: str) -> str:
         """The assistant message in a turn's text as sampled (special tokens kept): before the turn end or EOS."""
         eos = self.tokenizer.eos_token
-        text = sampled.split(self.turn_end, 1)[0]
-        return text.split(eos, 1)[0] if eos else text
+        for marker in self.turn_ends + ((eos,) if eos else ()):
+            sampled = sampled.split(marker, 1)[0]
+        return sampled
 
     def ended_with_eos(self, sampled: str) -> bool:
         """The model wrote EOS, and EOS is not this template's end of turn: the episode ends here."""
         eos = self.tokenizer.eos_token
-        return bool(eos) and eos != self.turn_end and eos in sampled
+        return bool(eos) and eos not in self.turn_ends and eos in sampled
 
-    def tool_turn(self, sampled: str, results: list[str]) -> str:
-        """Append the assistant turn and one `tool` message per result; return the text to append after
-        what the model sampled (tool messages plus the next generation prompt).
+    def tool_turn(self, sampled: str, assistant: dict, results: list[dict]) -> str:
+        """Append the assistant turn and its tool messages (all results of the turn, in one rendering);
+        return the text to append after what the model sampled: the tool messages and the next generation
+        prompt, as the template writes them.
 
-        `sampled` is the turn's text with special tokens kept: when the model wrote the turn-end marker
-        itself, the appended text starts after it; when the turn was cut by length, it starts with it.
+        `sampled` is the turn's text with special tokens kept: when the model wrote its turn-end marker,
+        the appended text starts after it; when the turn was cut by length, it starts with the marker.
         """
-        produced = self.text + sampled
-        self.messages.append({"role": "assistant", "content": self.content(sampled)})
-        self.messages += [{"role": "tool", "content": r} for r in results]
-        full = _render(self.tokenizer, self.messages, self.tools, True)
-        if not full.startswith(produced):
-            raise TemplateDriftError(f"{_template_name(self.tokenizer)} re-rendered earlier turns mid-episode")
-        self.text = full
-        return full[len(produced):]
+        self.messages.append(assistant)
+        text = appended_text(self.tokenizer, self.messages, results, self.tools, self.turn_end, self.template_kwargs)
+        self.messages += results
+        ended = any(marker in sampled for marker in self.turn_ends)
+        return text if ended else self.turn_end + text
 
 
 # A compact ChatML template with tool support for the embedded tiny model (tool names and arguments only,
-# so prompts stay short).
+# so prompts stay short). Tool calls render as the Hermes JSON the model writes.
 CHATML_TOOLS_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
     "({{ t.function.parameters.properties | join(', ') }}){% endfor %}<|im_end|>\n{% endif %}"
-    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments}"
+    " | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

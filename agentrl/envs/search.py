@@ -145,7 +145,7 @@ class SearchEnv(ToolEnv):
     """Questions answered from the collection: exact match of the final answer plus the format terms."""
 
     def __init__(self, collection: str | None = None, k: int = HITS, format: str = "react", max_turns: int = 3,
-                 rewards: dict | None = None):
+                 rewards: dict | None = None, tool_parser: str | None = None, chat_template_kwargs: dict | None = None):
         index = index_for(collection)
 
         def search(query: str) -> str:
@@ -158,7 +158,8 @@ class SearchEnv(ToolEnv):
             return " ".join(hits) if hits else "No results."
 
         super().__init__([search], check=lambda task, answer: _normalize(answer) == _normalize(task["answer"]),
-                         format=format, max_turns=max_turns, rewards=rewards)
+                         format=format, max_turns=max_turns, rewards=rewards, tool_parser=tool_parser,
+                         chat_template_kwargs=chat_template_kwargs)
 
 
 SEARCH_CORPUS = Corpus(search_practice_tasks, search_demonstration)  # the embedded search model's demonstrations

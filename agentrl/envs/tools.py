@@ -10,6 +10,12 @@
 Schemas come from `transformers.utils.get_json_schema` (the docstring's Args section). Calls are validated
 against the schema, run with a timeout, and anything that goes wrong (bad JSON, unknown tool, bad
 arguments, an exception, a timeout) becomes an observation the model can read, never a crash.
+
+In chat format the calls are read in the form the model's family writes (TOOL_PARSERS, picked from the
+chat template unless `tool_parser=` says otherwise):
+    hermes       Hermes 2/3, Qwen2.5, Qwen3:  <tool_call>{"name": ..., "arguments": {...}}</tool_call>, several a turn
+    llama3_json  Llama 3.1 / 3.2 / 3.3:       {"name": ..., "parameters": {...}}, optionally after <|python_tag|>
+    mistral      Mistral v0.3, Nemo:          [TOOL_CALLS][{"name": ..., "arguments": {...}, "id": "a1B2c3D4e"}]
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import json
+import random
 import re
+import string
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -38,6 +46,7 @@ def tool_schema(fn: Callable) -> dict:
 class ToolCall:
     name: str
     arguments: dict
+    id: str | None = None  # the call id the model wrote (Mistral), else one is made up when the call is run
 
 
 def parse_hermes_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
@@ -71,6 +80,113 @@ def parse_hermes_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
             continue
         calls.append(ToolCall(obj["name"], arguments))
     return calls, errors
+
+
+def _call_from_object(obj, key: str, id_pattern: re.Pattern | None = None) -> ToolCall | str:
+    """A ToolCall from one decoded `{"name": ..., key: {...}}` object, or the problem with it."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return "tool call needs a string 'name'"
+    arguments = obj.get(key, obj.get("arguments", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(arguments, dict):
+        return f"{key} of {obj['name']!r} must be an object"
+    call_id = obj.get("id")
+    return ToolCall(obj["name"], arguments, call_id if id_pattern and isinstance(call_id, str)
+                    and id_pattern.fullmatch(call_id) else None)
+
+
+def parse_llama3_json_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
+    """A Llama 3.x call: the whole turn is `{"name": ..., "parameters": {...}}` (or `"arguments"`), optionally
+    after `<|python_tag|>`; calls separated by `;` are read too, but Llama's templates render one call per
+    turn, so every call after the first is reported as an error and not run. Text not starting with `{`
+    (or `<|python_tag|>`) is an answer, not a call."""
+    body = text.strip()
+    tagged = body.startswith("<|python_tag|>")
+    body = body[len("<|python_tag|>"):].strip() if tagged else body
+    if not body.startswith("{") and not tagged:
+        return [], []
+    objects, errors, decoder, position = [], [], json.JSONDecoder(), 0
+    while position < len(body):
+        try:
+            obj, position = decoder.raw_decode(body, position)
+        except json.JSONDecodeError as e:
+            return [], [f"tool call is not valid JSON ({e.msg})"]
+        objects.append(obj)
+        rest = body[position:].lstrip()
+        if rest.startswith(";"):
+            rest = rest[1:].lstrip()
+        elif rest:
+            return [], ["text after the tool call's JSON"]
+        position = len(body) - len(rest)
+    if not objects:
+        return [], ["empty tool call after <|python_tag|>"]
+    calls = []
+    for obj in objects:
+        parsed = _call_from_object(obj, "parameters")
+        (calls if isinstance(parsed, ToolCall) else errors).append(parsed)
+    for extra in calls[1:]:
+        errors.append(f"one tool call per turn: {extra.name!r} was not run")
+    return calls[:1], errors
+
+
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def parse_mistral_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
+    """`[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": ...}, ...]` (the id is kept when it is the
+    9-character alphanumeric id Mistral's templates demand; otherwise one is made up when the call runs)."""
+    if "[TOOL_CALLS]" not in text:
+        return [], []
+    body = text.split("[TOOL_CALLS]", 1)[1].strip()
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as e:
+        return [], [f"tool call is not valid JSON ({e.msg})"]
+    calls, errors = [], []
+    for item in obj if isinstance(obj, list) else [obj]:
+        parsed = _call_from_object(item, "arguments", _MISTRAL_ID)
+        (calls if isinstance(parsed, ToolCall) else errors).append(parsed)
+    return calls, errors
+
+
+@dataclass(frozen=True)
+class ToolParser:
+    """How one model family writes tool calls: `parse(text) -> (calls, errors)`, and `content(text)`, the
+    assistant text outside the calls (kept as the message's content next to its structured tool_calls)."""
+
+    parse: Callable[[str], tuple[list[ToolCall], list[str]]]
+    content: Callable[[str], str]
+
+
+TOOL_PARSERS = {
+    "hermes": ToolParser(parse_hermes_tool_calls, lambda text: _HERMES.sub("", text).strip()),
+    "llama3_json": ToolParser(parse_llama3_json_tool_calls, lambda text: ""),
+    "mistral": ToolParser(parse_mistral_tool_calls, lambda text: text.split("[TOOL_CALLS]", 1)[0].strip()),
+}
+
+
+def detect_tool_parser(chat_template) -> str:
+    """The parser for the calls a chat template teaches: Mistral's `[TOOL_CALLS]`, Hermes/Qwen `<tool_call>`,
+    Llama 3's JSON with "parameters" (ipython role); Hermes when the template names none."""
+    if isinstance(chat_template, dict):  # named templates (Hermes ships "default" and "tool_use")
+        chat_template = chat_template.get("tool_use") or chat_template.get("default") or ""
+    text = chat_template or ""
+    if "[TOOL_CALLS]" in text:
+        return "mistral"
+    if "<tool_call>" in text:
+        return "hermes"
+    if '"parameters"' in text or "ipython" in text:
+        return "llama3_json"
+    return "hermes"
+
+
+def new_call_id(rng: random.Random) -> str:
+    """A 9-character alphanumeric call id, the form Mistral's templates check (others accept any string)."""
+    return "".join(rng.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
 def validate_arguments(schema: dict, arguments: dict) -> str | None:
@@ -163,20 +279,30 @@ class ToolEnv:
     """An environment from a list of typed functions.
 
     format "react": the tutorials' text, `Action: name(args)` lines, `Observation: ...` replies, `Answer: ...`.
-    format "chat": the tokenizer's chat template with `tools=`, Hermes `<tool_call>` JSON (several per
-    turn allowed), tool results as `tool` messages rendered by the same template (see agentrl.envs.chat).
+    format "chat": the tokenizer's chat template with `tools=`; calls in the form the model's family writes
+    (`tool_parser`: "hermes", "llama3_json" or "mistral", read from the template when None); all results of a
+    turn are `tool` messages (with their call ids) rendered together by the same template, appended after
+    what the model sampled (see agentrl.envs.chat). `chat_template_kwargs` go to every rendering
+    (e.g. `{"enable_thinking": False}` for Qwen3).
     `check(task, answer_text) -> bool` decides correctness; rewards follow the tutorial's table.
     """
 
     def __init__(self, tools: list[Callable], check: Callable[[dict, str], bool], format: str = "react",
                  max_turns: int = 4, timeout: float = 5.0, max_observation_chars: int = 500,
-                 rewards: dict | None = None, system_prompt: str | None = None):
+                 rewards: dict | None = None, system_prompt: str | None = None, tool_parser: str | None = None,
+                 chat_template_kwargs: dict | None = None):
         if format not in ("react", "chat"):
             raise ValueError(f"format must be 'react' or 'chat', got {format!r}")
+        if tool_parser is not None and tool_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_parser must be one of {', '.join(TOOL_PARSERS)} (or None: read from the chat "
+                             f"template), got {tool_parser!r}")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a mapping, got {type(chat_template_kwargs).__name__}")
         self.runner = ToolRunner(tools, timeout, max_observation_chars)
         self.check, self.format, self.max_turns = check, format, max_turns
         self.rewards = ToolRewards(**(rewards or {}))
         self.system_prompt = system_prompt
+        self.tool_parser, self.chat_template_kwargs = tool_parser, dict(chat_template_kwargs or {})
         self.stop_patterns = (r"Action:[^\n]*\n",) if format == "react" else ()
         self.eos_ends_episode = True  # chat: unless EOS is the template's end of turn (set in bind_tokenizer)
         self.keep_special_tokens = format == "chat"  # chat turns are read with their turn-end marker
@@ -188,7 +314,8 @@ class ToolEnv:
 
     @property
     def messages(self) -> list[dict] | None:
-        """Chat format: the conversation so far as messages (prompt, assistant turns, tool results)."""
+        """Chat format: the conversation so far as messages (prompt, assistant turns with structured
+        `tool_calls`, tool results with their `tool_call_id`)."""
         return self.chat.messages if self.chat is not None else None
 
     def bind_tokenizer(self, tokenizer) -> None:
@@ -196,9 +323,10 @@ class ToolEnv:
         if self.format == "chat":
             from agentrl.envs.chat import ChatRenderer
 
-            self.chat = ChatRenderer.for_tokenizer(tokenizer, self.schemas)
+            self.chat = ChatRenderer.for_tokenizer(tokenizer, self.schemas, self.chat_template_kwargs)
+            self.tool_parser = self.tool_parser or detect_tool_parser(tokenizer.chat_template)
             self.stop_patterns = (self.chat.stop_pattern,)
-            self.eos_ends_episode = tokenizer.eos_token != self.chat.turn_end
+            self.eos_ends_episode = tokenizer.eos_token not in self.chat.turn_ends
 
     def reset(self, task: dict) -> str:
         self.task, self.turns, self.calls, self.failures, self.format_errors = task, 0, 0, 0, 0
@@ -217,35 +345,51 @@ class ToolEnv:
 
         self.turns += 1
         calls, errors = self._parse(action)
+        if self.chat is not None:  # call ids, the form Mistral demands, reproducible for a task and turn
+            rng = random.Random(f"{self.task['question']}\x00{self.turns}")
+            for call in calls:
+                call.id = call.id or new_call_id(rng)
         # A chat turn that ends in EOS (not the turn-end marker) ends the episode: score it as the last turn.
         last = self.turns >= self.max_turns or (self.chat is not None and self.chat.ended_with_eos(action))
         if (calls or errors) and not last:
-            results = []
-            for problem in errors:
-                results.append(f"Error: {problem}")
+            results = []  # (text, call id, tool name)
+            for problem in errors:  # malformed calls: the model reads why (counted in format_errors)
+                results.append((f"Error: {problem}", new_call_id(rng) if self.chat is not None else None, None))
             for call in calls:
                 text, ok = self.runner(call)
                 self.calls += ok
                 self.failures += not ok
-                results.append(text)
+                results.append((text, call.id, call.name))
             self.format_errors += len(errors)
             if self.format == "react":
-                observation = "".join(f"Observation: {r}\n" for r in results)
+                observation = "".join(f"Observation: {r}\n" for r, _, _ in results)
             else:
-                observation = self.chat.tool_turn(action, results)
+                tool_messages = [{"role": "tool", "tool_call_id": call_id, **({"name": name} if name else {}),
+                                  "content": text} for text, call_id, name in results]
+                observation = self.chat.tool_turn(action, self._assistant_message(action, calls), tool_messages)
             return StepResult(observation, 0.0, False, self._info(False))
         answer = self._answer(action) if not (calls or errors) else None
         if self.chat is not None:
-            self.chat.messages.append({"role": "assistant", "content": self.chat.content(action)})
+            self.chat.messages.append(self._assistant_message(action, calls))
         correct = answer is not None and bool(self.check(self.task, answer))
         r = self.rewards
         reward = (r.correct if correct else r.tool_but_wrong) if self.calls else \
             (r.malformed_call if self.failures or self.format_errors else r.no_tool)
         return StepResult(None, reward, True, self._info(correct, answer))
 
+    def _assistant_message(self, action: str, calls: list[ToolCall]) -> dict:
+        """The turn as an OpenAI-style message: content (reasoning and text outside the calls, or the whole
+        turn when no call parsed) and structured `tool_calls` with ids, so any template can render it."""
+        text = self.chat.content(action)
+        if not calls:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": TOOL_PARSERS[self.tool_parser].content(text),
+                "tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                               for c in calls]}
+
     def _parse(self, action: str) -> tuple[list[ToolCall], list[str]]:
         if self.format == "chat":
-            return parse_hermes_tool_calls(action)
+            return TOOL_PARSERS[self.tool_parser].parse(self.chat.content(action))
         match = _REACT_ACTION.search(action)
         if match is None:
             return ([], ["expected Action: name(arguments)"]) if re.search(r"^\s*Action:", action, re.M) else ([], [])
@@ -256,8 +400,9 @@ class ToolEnv:
         if self.format == "react":
             match = re.search(r"^[ \t]*Answer:[ \t]*(.*)$", action, re.MULTILINE)
             return match.group(1).strip() if match else None
-        return self.chat.content(action).strip() or None
+        # Thinking models: the answer is what follows the reasoning block.
+        return self.chat.content(action).rsplit("</think>", 1)[-1].strip() or None
 
     def _info(self, correct: bool, answer: Any = None) -> dict:
         return {"correct": correct, "answer": answer, "tool_calls": self.calls, "tool_failures": self.failures,
-                "format_errors": self.format_errors + self.failures}
+                "malformed_calls": self.format_errors, "format_errors": self.format_errors + self.failures}

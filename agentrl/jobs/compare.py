@@ -39,7 +39,10 @@ def count_outcomes(scores_a: list[float], scores_b: list[float]) -> dict:
 
 
 def compare(spec_a: str, spec_b: str, env_factory, tasks: list[dict], judge: str = "env", greedy: bool = True,
-            temperature: float = 1.0, max_new_tokens: int = 48, seed: int = 0, show: int = 3) -> dict:
+            temperature: float = 1.0, max_new_tokens: int = 48, seed: int = 0, show: int = 3,
+            samples_path: str | None = None, samples: int = 50) -> dict:
+    """Win-rate of A against B; `samples_path`: also write the first `samples` A/B episode pairs there
+    (samples.jsonl, kind "compare") for `agentrl report`."""
     from agentrl.jobs.evaluate import load_policy
     from agentrl.rollout.engine import rollout
     from agentrl.rollout.sampling import SamplingParams
@@ -63,6 +66,13 @@ def compare(spec_a: str, spec_b: str, env_factory, tasks: list[dict], judge: str
     else:
         raise ValueError(f"judge must be 'env' or 'reward-model:PATH', got {judge!r}")
     result = count_outcomes(*scores)
+    if samples_path:
+        from agentrl.samples import SamplesLog
+
+        SamplesLog(samples_path, every=1, per_step=samples, source="compare").write_pairs(
+            0, list(zip(runs[0][0], runs[1][0])), kind="compare", names=("a", "b"),
+            extra=[{"name_a": f"A: {spec_a}", "name_b": f"B: {spec_b}", "score_a": sa, "score_b": sb}
+                   for sa, sb in zip(*scores)], tokenizers=(runs[0][1], runs[1][1]))
     result["judge"] = judge
     result["samples"] = [
         {"task": tasks[i].get("question", str(tasks[i])),
@@ -73,15 +83,17 @@ def compare(spec_a: str, spec_b: str, env_factory, tasks: list[dict], judge: str
 
 
 def run_compare(a: str, b: str, env: str, env_kwargs: str | None, task_source: str, tasks: int, seed: int,
-                judge: str, sample: bool, max_new_tokens: int, out: str | None) -> dict:
-    """`agentrl compare`: held-out tasks of `task_source`, compared, written to `out` if set."""
+                judge: str, sample: bool, max_new_tokens: int, out: str | None,
+                samples_path: str | None = None) -> dict:
+    """`agentrl compare`: held-out tasks of `task_source`, compared, written to `out` if set; the A/B episodes
+    to `samples_path` (for `agentrl report`)."""
     from agentrl.checkpoint import write_json
     from agentrl.envs.base import load_tasks, make_env
 
     kwargs = json.loads(env_kwargs) if env_kwargs else {}
     task_list = load_tasks(task_source, tasks, seed, "eval")
     result = compare(a, b, lambda: make_env(env, kwargs), task_list, judge, greedy=not sample,
-                     max_new_tokens=max_new_tokens, seed=seed)
+                     max_new_tokens=max_new_tokens, seed=seed, samples_path=samples_path)
     if out:
         write_json(out, result)
     return result

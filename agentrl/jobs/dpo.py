@@ -31,7 +31,7 @@ class DPOJobConfig:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     iterative: IterativeSection = field(default_factory=IterativeSection)
-    out_dir: str = "runs/dpo"  # adapter, pairs, metrics and summary.json go here
+    out_dir: str = "runs/dpo"  # adapter, pairs, metrics, samples.jsonl and summary.json go here
     eval_seed: int = 0  # seed of the held-out draw and of sampled evaluation
     progress: bool = True  # progress bars
     checkpoint_every: int = 10  # checkpoint every this many DPO steps, after sampling each round, after the
@@ -39,6 +39,8 @@ class DPOJobConfig:
     keep_checkpoints: int = 2  # newest checkpoints kept in out_dir/checkpoints
     max_nonfinite_steps: int = 3  # stop after this many steps in a row with a non-finite loss or gradient (0: never)
     resume: str | None = None  # "auto": the latest valid checkpoint in out_dir (fresh if none); or a checkpoint path
+    sample_every: int = 1  # iterative: write chosen/rejected pairs to samples.jsonl every this many rounds
+    samples_per_step: int = 4  # pairs written per sampled round (0: no samples.jsonl)
 
 
 def load_dpo_job(path: str | None, overrides: list[str] | None = None) -> DPOJobConfig:
@@ -55,10 +57,11 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
 
     import torch
 
-    from agentrl.checkpoint import Checkpointer, cached_eval, open_run, run_config, write_json, write_jsonl
+    from agentrl.checkpoint import Checkpointer, cached_eval, file_size, open_run, run_config, write_json, write_jsonl
     from agentrl.jobs.preferences import sample_pairs
     from agentrl.preferences import PreferenceExample, pair_to_example
     from agentrl.rollout.sampling import SamplingParams
+    from agentrl.samples import SamplesLog
     from agentrl.trainers.common import TaskCycler
     from agentrl.trainers.dpo import DPOTrainer
 
@@ -83,6 +86,8 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
             snap["cycler"] = live["cycler"].state_dict()
         if live.get("examples") is not None:
             snap["examples"] = [dataclasses.asdict(ex) for ex in live["examples"]]
+        if "samples" in live:
+            snap["samples_bytes"] = file_size(live["samples"].path)
         return snap
 
     checkpointer = Checkpointer(out / "checkpoints", config.checkpoint_every, config.keep_checkpoints,
@@ -94,7 +99,12 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
         before = cached_eval(out, "before", fingerprint, lambda: run.evaluate_both(model, config.iterative.temperature))
         torch.manual_seed(config.dpo.seed)  # LoRA init and rollouts: the same run for the same config
         model = add_lora(model, config.model)
-        dpo_cfg = replace(config.dpo, output_dir=str(out / "adapter"), progress=config.progress)
+        dpo_cfg = replace(config.dpo, output_dir=str(out / "adapter"), progress=config.progress,
+                          logging_dir=config.dpo.logging_dir or str(out))
+        samples = live["samples"] = SamplesLog(out / "samples.jsonl", tokenizer, config.sample_every,
+                                               config.samples_per_step if config.data is None else 0,
+                                               source="iterative-dpo",
+                                               resume_bytes=job.get("samples_bytes") if state else None)
         trainer = None
         train_started = time.time()
         if config.data is not None:
@@ -104,6 +114,7 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
                 checkpointer.restore(state)
             with checkpointer.loop():
                 trainer.train(metrics_path=str(out / "metrics.jsonl"), checkpointer=checkpointer)
+            trainer.accelerator.end_training()  # flush and close the trackers' files
             job["total_pairs"], job["steps"] = len(trainer.examples), trainer.total_steps
         else:
             cycler = live["cycler"] = TaskCycler(run.train_tasks(config.env.tasks, config.env.train_tasks,
@@ -122,6 +133,7 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
                                                      cycler.draw(config.iterative.tasks_per_round),
                                                      config.iterative.samples, sampling)
                     write_jsonl(out / f"pairs-round{r}.jsonl", rows)
+                    samples.write_pairs(r, pairs)
                     job["total_pairs"], job["total_ties"] = job["total_pairs"] + len(pairs), job["total_ties"] + ties
                     record = {"round": r, "pairs": len(pairs), "ties_skipped": ties,
                               "mean_chosen_score": sum(b.score for b, _ in pairs) / max(len(pairs), 1),
@@ -143,6 +155,7 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
                     with checkpointer.loop():
                         history = trainer.train(metrics_path=str(out / f"metrics-round{r}.jsonl"),
                                                 checkpointer=checkpointer)
+                    trainer.accelerator.end_training()
                     job["steps"] += trainer.total_steps
                     record.update({k: history[-1][k] for k in ("loss", "rewards/accuracies", "rewards/margins")})
                 job["rounds"].append(record)

@@ -10,6 +10,7 @@ from typing import Literal
 from agentrl.config import load_config, to_dict
 from agentrl.jobs.common import (EnvSection, ModelSection, RolloutSection, add_lora, prepare_run, resolve_config_path,
                                  summary_config, warn_ineffective)
+from agentrl.samples import SamplesLog
 from agentrl.trainers.grpo import GRPOConfig
 from agentrl.trainers.ppo import PPOConfig
 
@@ -32,13 +33,26 @@ class JobConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     reward: RewardSection = field(default_factory=RewardSection)
     steps: int = 60  # training steps (each of ppo.batch_size, or grpo.tasks_per_step * num_generations, episodes)
-    out_dir: str = "runs/ppo"  # adapter, metrics.jsonl and summary.json go here
+    out_dir: str = "runs/ppo"  # adapter, metrics.jsonl, samples.jsonl and summary.json go here
     eval_seed: int = 0  # seed of the held-out task draw and of sampled evaluation
     progress: bool = True  # progress bars
     checkpoint_every: int = 10  # checkpoint every this many steps, after the last and on SIGTERM/SIGINT (0: never)
     keep_checkpoints: int = 2  # newest checkpoints kept in out_dir/checkpoints
     max_nonfinite_steps: int = 3  # stop after this many steps in a row with a non-finite loss or gradient (0: never)
     resume: str | None = None  # "auto": the latest valid checkpoint in out_dir (fresh if none); or a checkpoint path
+    sample_every: int = 10  # write episodes to samples.jsonl at step 1 and every this many steps
+    samples_per_step: int = 4  # episodes written per sampled step (0: no samples.jsonl)
+
+
+def trackers_in_run_dir(algo_config, out: Path) -> None:
+    """Trackers write into the run directory unless told otherwise: TensorBoard events under
+    out/<tracker_project_name>/, W&B (offline or not) under out/wandb/."""
+    if not algo_config.log_with:
+        return
+    if algo_config.project_dir is None:
+        algo_config.project_dir = str(out)
+    if "wandb" in str(algo_config.log_with):
+        algo_config.tracker_kwargs.setdefault("wandb", {}).setdefault("dir", str(out))
 
 
 def run_job(config: JobConfig) -> dict:
@@ -97,6 +111,37 @@ def run_job(config: JobConfig) -> dict:
         adapter_dir = out / ("adapter" if config.model.lora else "model")
         trainer.save_pretrained(str(adapter_dir))
         after = cached_eval(out, "after", fingerprint, lambda: run.evaluate_both(trainer.policy, algo_config.temperature))
+    run = prepare_run(config.model, config.env, config.rollout, config.eval_seed, config.progress)
+    model, tokenizer, env_factory, eval_tasks = run.model, run.tokenizer, run.env_factory, run.eval_tasks
+    algo_config = config.ppo if config.algo == "ppo" else config.grpo
+    train_tasks = run.train_tasks(config.env.tasks, config.env.train_tasks, algo_config.seed)
+    max_new = config.rollout.max_new_tokens
+    before = run.evaluate_both(model, algo_config.temperature)
+    torch.manual_seed(algo_config.seed)
+    model = add_lora(model, config.model)
+    trackers_in_run_dir(algo_config, out)
+    if config.algo == "ppo":
+        trainer = PPOTrainer(config=config.ppo, model=model, tokenizer=tokenizer)
+    else:
+        trainer = GRPOTrainer(config.grpo, model, tokenizer)
+    trainer.samples_log = SamplesLog(out / "samples.jsonl", tokenizer, config.sample_every, config.samples_per_step,
+                                     trainer.accelerator, source=config.algo)
+    sampling = SamplingParams(max_new_tokens=max_new, temperature=algo_config.temperature,
+                              top_k=config.rollout.top_k, top_p=config.rollout.top_p)
+    score_hook = None
+    if config.reward.models:
+        from agentrl.trainers.reward import RewardModelScorer
+
+        score_hook = RewardModelScorer(config.reward.models, tokenizer, config.reward.weight,
+                                       config.reward.env_weight, config.reward.combine)
+    ppo_started = time.time()
+    trainer.train(env_factory, train_tasks, steps=config.steps, sampling=sampling,
+                  metrics_path=str(out / "metrics.jsonl"), progress=config.progress, score_hook=score_hook)
+    ppo_seconds = time.time() - ppo_started
+    trainer.accelerator.end_training()  # flush and close the trackers' files
+    adapter_dir = out / ("adapter" if config.model.lora else "model")
+    trainer.save_pretrained(str(adapter_dir))
+    after = run.evaluate_both(trainer.policy, algo_config.temperature)
     summary = {
         "before": before["greedy"], "after": after["greedy"],
         "before_sampled": before["sampled"], "after_sampled": after["sampled"],

@@ -4,7 +4,8 @@ Token-in-token-out. Each episode keeps the prompt ids, then the exact ids the mo
 ids of each observation, side by side with
     loss_mask: 1 on tokens the policy sampled (its EOS included), 0 on observation tokens
 (prompt and padding are outside `token_ids` and get 0 wherever a batch is built).
-Observations are tokenized on their own and appended; nothing sampled is ever re-tokenized.
+Observations are tokenized on their own and appended; nothing sampled is ever re-tokenized, and earlier
+turns are never re-rendered (chat environments hand over only the template's text for the new messages).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Episode:
     done: bool = False
     messages: list[dict] | None = None  # chat environments: the conversation as messages, prompt included
     tools: list[dict] | None = None  # chat environments: the tool schemas the template rendered
+    chat_template_kwargs: dict | None = None  # chat environments: extra template arguments (enable_thinking, ...)
 
     @property
     def score(self) -> float:
@@ -110,6 +112,7 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator) -> l
     for ep, env in zip(episodes, envs):  # so preference rows can be written as messages, not template text
         if getattr(env, "messages", None) is not None:
             ep.messages, ep.tools = list(env.messages), getattr(env, "schemas", None)
+            ep.chat_template_kwargs = getattr(env, "chat_template_kwargs", None) or None
     return episodes
 
 
@@ -122,6 +125,7 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
         "env/tool_call_rate": sum(i.get("tool_calls", 0) > 0 for i in info) / n,
         "env/tool_calls_per_episode": sum(i.get("tool_calls", 0) for i in info) / n,
         "env/format_error_rate": sum(i.get("format_errors", 0) > 0 for i in info) / n,
+        "tools/malformed_calls_per_episode": sum(i.get("malformed_calls", 0) for i in info) / n,
         "tools/failure_rate": sum(i.get("tool_failures", 0) for i in info) / max(
             sum(i.get("tool_failures", 0) + i.get("tool_calls", 0) for i in info), 1),
         "env/mean_turns": sum(ep.num_turns for ep in episodes) / n,

@@ -135,7 +135,8 @@ def trainer_state(trainer, **extra) -> dict:
             "optimizer": trainer.optimizer.state_dict(), "accelerator_step": trainer.accelerator.step,
             "current_step": trainer.current_step, "rng": rng_state(),
             "cycler": cycler.state_dict() if cycler is not None else None,
-            "metrics_bytes": file_size(trainer.metrics_log.path), **extra}
+            "metrics_bytes": file_size(trainer.metrics_log.path),
+            "samples_bytes": file_size(getattr(getattr(trainer, "samples_log", None), "path", None)), **extra}
 
 
 def load_trainer_state(trainer, state: dict) -> None:

@@ -16,7 +16,7 @@ import random
 import time
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 import torch
@@ -51,6 +51,7 @@ class DPOConfig:
     bf16: bool = False  # bf16 mixed precision
     gradient_checkpointing: bool = False  # activation checkpointing on the model
     report_to: str | list | None = None  # accelerate tracker(s); "none" or None: no tracker
+    logging_dir: str | None = None  # where trackers write (None: output_dir)
     beta: float = 0.1  # strength of the implicit KL to the reference
     loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"  # which preference loss
     label_smoothing: float = 0.0  # conservative / robust DPO: assumed label-noise rate
@@ -121,7 +122,11 @@ class DPOTrainer:
         report = config.report_to if config.report_to not in ("none", [], None) else None
         mixed = "fp16" if config.fp16 else "bf16" if config.bf16 else "no"
         self.accelerator = Accelerator(gradient_accumulation_steps=config.gradient_accumulation_steps,
-                                       mixed_precision=mixed, log_with=report)
+                                       mixed_precision=mixed, log_with=report,
+                                       project_dir=config.logging_dir or config.output_dir)
+        if report:
+            self.accelerator.init_trackers("agentrl-dpo", config={k: v for k, v in asdict(config).items()
+                                                                  if isinstance(v, (int, float, str, bool))})
         self.ref_model = None
         if ref_model is not None:
             self.ref_model = ref_model.eval().requires_grad_(False)

@@ -12,7 +12,7 @@ import copy
 import time
 import warnings
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Literal
 
 import torch
@@ -23,6 +23,7 @@ from agentrl.algos import group_advantages, grpo_loss, masked_mean, rloo_advanta
 from agentrl.algos.losses import entropy_from_logits
 from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams
+from agentrl.samples import SamplesLog
 from agentrl.trainers.common import (MetricsLog, TokenBatch, check_batch, episodes_to_batch, finite_or_raise,
                                      grads_finite, lm_logprobs, load_trainer_state, logprob_mismatch, progress_bar,
                                      resumed_cycler, resumed_metrics, trainer_state)
@@ -51,6 +52,7 @@ class GRPOConfig:
     log_with: str | None = None  # accelerate tracker ("tensorboard", "wandb", ...)
     tracker_project_name: str = "agentrl"  # project name for the trackers
     project_dir: str | None = None  # where trackers write
+    tracker_kwargs: dict = field(default_factory=dict)  # passed to init_trackers(init_kwargs=...)
     logprob_mismatch_threshold: float | None = 0.05  # error when the mean |recomputed - sampled| logprob at
     # the rollout's weights exceeds this (None: only logged as rollout/logprob_mismatch_*)
 
@@ -92,10 +94,13 @@ class GRPOTrainer:
         if self.ref_model is not None:
             self.ref_model.to(self.accelerator.device)
         self.metrics_log = MetricsLog(None, self.accelerator)
+        self.samples_log = SamplesLog(None)  # a job sets SamplesLog(run_dir/"samples.jsonl", ...) to sample episodes
+        self._sample_tensors: dict = {}  # the last update's tensors, for samples_log
         self.current_step = 0
         if config.log_with:
             self.accelerator.init_trackers(config.tracker_project_name, config={
-                k: v for k, v in asdict(config).items() if isinstance(v, (int, float, str, bool))})
+                k: v for k, v in asdict(config).items() if isinstance(v, (int, float, str, bool))},
+                init_kwargs=config.tracker_kwargs)
         self.model.eval()  # dropout off during rollouts and updates
 
     @property
@@ -129,6 +134,7 @@ class GRPOTrainer:
             stats.update(episode_metrics(episodes))
             stats["time/rollout"] = time.time() - started - stats["time/update"]
             self.metrics_log.write(stats, self.current_step)
+            self.samples_log.write(self.current_step, episodes, self._sample_tensors)
             history.append(stats)
             if callback is not None:
                 callback(self.current_step, stats)
@@ -181,6 +187,8 @@ class GRPOTrainer:
                 mb = full.select(idx)
                 ref[idx, : mb.loss_mask.shape[1]] = self._ref_logprobs(mb)
 
+        # (N,) advantages: every sampled token of an episode gets its episode's; old only when num_iterations > 1
+        self._sample_tensors = {"advantages": advantages, "ref_logprobs": ref, "trainer_logprobs": old}
         acc = defaultdict(list)
         # Logprobs at the rollout's weights: `old` when computed, else the forwards before the first optimizer
         # step (the first gradient_accumulation_steps mini-batches), compared with the sampler's.

@@ -27,6 +27,7 @@ from agentrl.algos.losses import ppo_policy_loss, ppo_value_loss
 from agentrl.models.value_head import AutoModelForCausalLMWithValueHead
 from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams, sample_batch
+from agentrl.samples import SamplesLog
 from agentrl.trainers.common import (MetricsLog, TokenBatch, build_batch, check_batch, episodes_to_batch,
                                      finite_or_raise, grads_finite, lm_logprobs, load_trainer_state, logprob_mismatch,
                                      policy_forward, progress_bar, resumed_cycler, resumed_metrics, trainer_state)
@@ -226,6 +227,8 @@ class PPOTrainer:
         self.running = RunningMoments()
         self.current_step = 0
         self.metrics_log = MetricsLog(None, self.accelerator)
+        self.samples_log = SamplesLog(None)  # a job sets SamplesLog(run_dir/"samples.jsonl", ...) to sample episodes
+        self._sample_tensors: dict = {}  # the last update's per-token tensors, for samples_log
         if config.log_with:
             self.accelerator.init_trackers(config.tracker_project_name, config=_flat_config(config),
                                            init_kwargs=config.tracker_kwargs)
@@ -384,6 +387,7 @@ class PPOTrainer:
             stats.update(episode_metrics(episodes))
             stats["time/rollout"] = rollout_seconds
             self.metrics_log.write(stats, self.current_step)
+            self.samples_log.write(self.current_step, episodes, self._sample_tensors)
             history.append(stats)
             if callback is not None:
                 callback(self.current_step, stats)
@@ -442,6 +446,8 @@ class PPOTrainer:
         if cfg.whiten_advantages:
             advantages = whiten(advantages, mask)
         advantages, returns = advantages.detach(), returns.detach()
+        self._sample_tensors = {"trainer_logprobs": old_logprobs, "ref_logprobs": ref_logprobs,
+                                "advantages": advantages, "values": values}
         t_adv = time.time()
 
         acc = defaultdict(list)

@@ -142,15 +142,27 @@ def chat_tokenizer(tiny_base):
     return tok
 
 
-def test_prefix_preserving_template_passes_and_a_rewriting_one_is_named(chat_tokenizer):
+def test_templates_that_rewrite_history_are_appended_to_and_one_that_hides_a_turn_is_named(chat_tokenizer):
     renderer = ChatRenderer.for_tokenizer(chat_tokenizer, [tool_schema(add)])
     assert renderer.turn_end == "<|im_end|>"
     rewriting = AutoTokenizer.from_pretrained(chat_tokenizer.name_or_path)
-    # Renders only the last two messages: history is rewritten as the conversation grows.
+    # Renders only the last two messages: history is rewritten as the conversation grows, yet the text of the
+    # new messages is still the template's own.
     rewriting.chat_template = ("{% for m in messages[-2:] %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
                                "{% if add_generation_prompt %}<assistant>{% endif %}")
-    with pytest.raises(TemplateDriftError, match="not prefix-preserving"):
-        ChatRenderer.for_tokenizer(rewriting, [tool_schema(add)])
+    renderer = ChatRenderer.for_tokenizer(rewriting, [tool_schema(add)])
+    renderer.start([{"role": "user", "content": "What is 2 + 2?"}])
+    assistant = {"role": "assistant", "content": "<call>"}
+    assert renderer.tool_turn("<call></s>", assistant, [{"role": "tool", "content": "4"}]) == "<tool>4</s><assistant>"
+    # Renders no assistant message at all: where the turn ends cannot be told, and the error says whose template
+    hiding = AutoTokenizer.from_pretrained(chat_tokenizer.name_or_path)
+    hiding.chat_template = ("{% for m in messages %}{% if m.role != 'assistant' %}<{{ m.role }}>{{ m.content }}</s>"
+                            "{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    renderer = ChatRenderer(hiding, [tool_schema(add)], "</s>")
+    renderer.start([{"role": "user", "content": "What is 2 + 2?"}])
+    with pytest.raises(TemplateDriftError, match=r"chat template of .*model: message 2 \(tool\): cannot find where "
+                                                 r"assistant message 1 ends"):
+        renderer.tool_turn("<call></s>", assistant, [{"role": "tool", "content": "4"}])
 
 
 class ScriptedLM(torch.nn.Module):
@@ -188,6 +200,8 @@ def test_chat_rollout_ids_are_the_template_rendering_of_the_conversation(chat_to
     expected = chat_tokenizer(rendered)["input_ids"]
     got = ep.prompt_ids + ep.token_ids
     assert got == expected[:len(got)] and chat_tokenizer.decode(expected[len(got):]) == "\n"
+    # the episode's messages (the call as structured tool_calls) render to the same text
+    assert chat_tokenizer.apply_chat_template(ep.messages, tools=ep.tools, tokenize=False) == rendered
     # 1 exactly on what the model wrote, 0 on the tool message and the next generation prompt
     sampled = [t for t, m in zip(ep.token_ids, ep.loss_mask) if m]
     assert sampled == script
@@ -234,7 +248,11 @@ def test_chat_preference_rows_are_messages_the_template_renders_back(chat_tokeni
     best, worst = episode([call + "<|im_end|>", "The answer is 5<|im_end|>"]), episode(["I think it is 6<|im_end|>"])
     row = pair_to_row(best, worst, chat_tokenizer)
     assert row["prompt"] == [{"role": "user", "content": "What is 2 + 3?"}]
-    assert row["chosen"] == [{"role": "assistant", "content": call}, {"role": "tool", "content": "5"},
+    (call_id,) = [c["id"] for c in row["chosen"][0]["tool_calls"]]
+    assert row["chosen"] == [{"role": "assistant", "content": "", "tool_calls": [
+                                 {"id": call_id, "type": "function",
+                                  "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}]},
+                             {"role": "tool", "tool_call_id": call_id, "name": "calculator", "content": "5"},
                              {"role": "assistant", "content": "The answer is 5"}]
     assert row["rejected"] == [{"role": "assistant", "content": "I think it is 6"}]
     assert row["tools"][0]["function"]["name"] == "calculator"
