@@ -6,7 +6,7 @@
 
 The uninterrupted run goes to OUT/reference; the killed one to OUT/killed. Each kill lands at a uniform random
 moment of the run (import, set-up, evaluation, a rollout, an update, a checkpoint write, the final evaluation).
-Compared: every metrics*.jsonl row and pairs*.jsonl row, summary.json, and the saved adapter's files, byte for
+Compared: every metrics*.jsonl, pairs*.jsonl and samples.jsonl row, summary.json, and the saved adapter's files, byte for
 byte, except timing fields (time/*, elapsed, train_seconds, wall_seconds) and the out_dir-dependent paths
 (out_dir, adapter_dir). Exit status 0 when everything matches.
 """
@@ -45,7 +45,7 @@ def clean_summary(summary: dict) -> dict:
 
 def compare(a: Path, b: Path) -> list[str]:
     problems = []
-    for pattern in ("metrics*.jsonl", "pairs*.jsonl"):
+    for pattern in ("metrics*.jsonl", "pairs*.jsonl", "samples.jsonl"):
         names = sorted(p.name for p in a.glob(pattern))
         if names != sorted(p.name for p in b.glob(pattern)):
             problems.append(f"{pattern}: {names} vs {sorted(p.name for p in b.glob(pattern))}")

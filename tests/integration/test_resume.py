@@ -31,10 +31,10 @@ JOBS = {
 
 
 def _rows(out: Path) -> dict[str, list[dict]]:
-    """Every metrics*.jsonl / pairs*.jsonl row, timing fields dropped (wall clock differs between runs)."""
+    """Every metrics*.jsonl / pairs*.jsonl / samples.jsonl row, timing fields dropped (wall clock differs between runs)."""
     return {p.name: [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "elapsed"))}
                      for line in p.read_text().splitlines()]
-            for pattern in ("metrics*.jsonl", "pairs*.jsonl") for p in sorted(out.glob(pattern))}
+            for pattern in ("metrics*.jsonl", "pairs*.jsonl", "samples.jsonl") for p in sorted(out.glob(pattern))}
 
 
 def _summary(out: Path) -> dict:
