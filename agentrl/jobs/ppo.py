@@ -84,6 +84,7 @@ def run_job(config: JobConfig) -> dict:
         before = cached_eval(out, "before", fingerprint, lambda: run.evaluate_both(model, algo_config.temperature))
         torch.manual_seed(algo_config.seed)
         model = add_lora(model, config.model)
+        trackers_in_run_dir(algo_config, out)
         if config.algo == "ppo":
             trainer = PPOTrainer(config=config.ppo, model=model, tokenizer=tokenizer)
         else:
@@ -91,6 +92,9 @@ def run_job(config: JobConfig) -> dict:
         if state is not None:
             trainer.load_state_dict(state["trainer"])
             checkpointer.restore(state)
+        trainer.samples_log = SamplesLog(out / "samples.jsonl", tokenizer, config.sample_every, config.samples_per_step,
+                                         trainer.accelerator, source=config.algo,
+                                         resume_bytes=state["trainer"]["samples_bytes"] if state else None)
         remaining = config.steps - trainer.current_step
         if remaining < 0:
             raise ValueError(f"steps={config.steps}, but the checkpoint resumed from is at step {trainer.current_step}")
@@ -108,40 +112,10 @@ def run_job(config: JobConfig) -> dict:
                           metrics_path=str(out / "metrics.jsonl"), progress=config.progress, score_hook=score_hook,
                           checkpointer=checkpointer)
         ppo_seconds = time.time() - ppo_started
+        trainer.accelerator.end_training()  # flush and close the trackers' files
         adapter_dir = out / ("adapter" if config.model.lora else "model")
         trainer.save_pretrained(str(adapter_dir))
         after = cached_eval(out, "after", fingerprint, lambda: run.evaluate_both(trainer.policy, algo_config.temperature))
-    run = prepare_run(config.model, config.env, config.rollout, config.eval_seed, config.progress)
-    model, tokenizer, env_factory, eval_tasks = run.model, run.tokenizer, run.env_factory, run.eval_tasks
-    algo_config = config.ppo if config.algo == "ppo" else config.grpo
-    train_tasks = run.train_tasks(config.env.tasks, config.env.train_tasks, algo_config.seed)
-    max_new = config.rollout.max_new_tokens
-    before = run.evaluate_both(model, algo_config.temperature)
-    torch.manual_seed(algo_config.seed)
-    model = add_lora(model, config.model)
-    trackers_in_run_dir(algo_config, out)
-    if config.algo == "ppo":
-        trainer = PPOTrainer(config=config.ppo, model=model, tokenizer=tokenizer)
-    else:
-        trainer = GRPOTrainer(config.grpo, model, tokenizer)
-    trainer.samples_log = SamplesLog(out / "samples.jsonl", tokenizer, config.sample_every, config.samples_per_step,
-                                     trainer.accelerator, source=config.algo)
-    sampling = SamplingParams(max_new_tokens=max_new, temperature=algo_config.temperature,
-                              top_k=config.rollout.top_k, top_p=config.rollout.top_p)
-    score_hook = None
-    if config.reward.models:
-        from agentrl.trainers.reward import RewardModelScorer
-
-        score_hook = RewardModelScorer(config.reward.models, tokenizer, config.reward.weight,
-                                       config.reward.env_weight, config.reward.combine)
-    ppo_started = time.time()
-    trainer.train(env_factory, train_tasks, steps=config.steps, sampling=sampling,
-                  metrics_path=str(out / "metrics.jsonl"), progress=config.progress, score_hook=score_hook)
-    ppo_seconds = time.time() - ppo_started
-    trainer.accelerator.end_training()  # flush and close the trackers' files
-    adapter_dir = out / ("adapter" if config.model.lora else "model")
-    trainer.save_pretrained(str(adapter_dir))
-    after = run.evaluate_both(trainer.policy, algo_config.temperature)
     summary = {
         "before": before["greedy"], "after": after["greedy"],
         "before_sampled": before["sampled"], "after_sampled": after["sampled"],
