@@ -14,6 +14,9 @@ _LAZY = {
     "PPOConfig": "agentrl.trainers.ppo",
     "PPOTrainer": "agentrl.trainers.ppo",
     "AutoModelForCausalLMWithValueHead": "agentrl.models.value_head",
+    "AutoModelForSeq2SeqLMWithValueHead": "agentrl.models.value_head",
+    "create_reference_model": "agentrl.models.value_head",
+    "set_seed": "agentrl.core",
     "CalculatorEnv": "agentrl.envs",
     "StepResult": "agentrl.envs",
 }

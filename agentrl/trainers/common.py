@@ -188,8 +188,11 @@ def policy_forward(model, batch: TokenBatch, temperature: float, with_entropy: b
 
 def lm_logprobs(lm, batch: TokenBatch, temperature: float, return_logits: bool = False):
     """Plain causal-LM forward -> logprobs (B, T-1) (and the logits (B, T, V) when asked)."""
-    logits = lm(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                position_ids=position_ids(batch.attention_mask)).logits
+    from agentrl.models.value_head import accepts_position_ids
+
+    # BLOOM's forward takes no position_ids (ALiBi reads the attention mask).
+    positions = {"position_ids": position_ids(batch.attention_mask)} if accepts_position_ids(lm) else {}
+    logits = lm(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **positions).logits
     logprobs = token_logprobs(logits, batch.input_ids, temperature)
     return (logprobs, logits) if return_logits else logprobs
 

@@ -3,47 +3,53 @@
 Read top to bottom: config, trainer set-up (one backbone: policy + value head + adapter-disabled
 reference), the classic `generate`/`step` API, the agent-level `train()` over an environment, and the
 update itself (`_update`: old/ref logprobs -> KL-shaped rewards -> GAE -> clipped epochs -> stats).
+TRL 0.11's public pieces of a step (`prepare_model_inputs`, `batched_forward_pass`, `compute_rewards`,
+`compute_advantages`, `loss`, `record_step_stats`) follow; `_update` uses the last three itself.
 Maths lives in `agentrl.algos`; rollouts in `agentrl.rollout`.
 """
 
 from __future__ import annotations
 
-import copy
 import contextlib
+import inspect
 import math
+import os
 import re
+import sys
 import time
 import warnings
-from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Literal
 
+import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import ProjectConfiguration, set_seed
 
+from agentrl import core
 from agentrl.algos import AdaptiveKLController, FixedKLController, gae, kl_penalty, masked_mean, masked_var, whiten
-from agentrl.algos.losses import ppo_policy_loss, ppo_value_loss
-from agentrl.models.value_head import AutoModelForCausalLMWithValueHead
+from agentrl.algos.losses import entropy_from_logits, ppo_policy_loss, ppo_value_loss
+from agentrl.models.value_head import AutoModelForCausalLMWithValueHead, create_reference_model
 from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams, sample_batch
 from agentrl.samples import SamplesLog
 from agentrl.trainers.common import (MetricsLog, TokenBatch, build_batch, check_batch, episodes_to_batch,
                                      finite_or_raise, grads_finite, lm_logprobs, load_trainer_state, logprob_mismatch,
-                                     policy_forward, progress_bar, resumed_cycler, resumed_metrics, trainer_state)
+                                     policy_forward, position_ids, progress_bar, resumed_cycler, resumed_metrics,
+                                     trainer_state)
 
 
 @dataclass
 class PPOConfig:
     """Every field of TRL 0.11's PPOConfig, with its defaults, plus a few agentrl additions at the end."""
 
-    exp_name: str = "ppo"  # experiment name, used for trackers
+    exp_name: str = field(default_factory=lambda: os.path.basename(sys.argv[0])[: -len(".py")])  # the script's name
     seed: int = 0  # random seed
     log_with: str | None = None  # tracker for accelerate: "wandb", "tensorboard", ... (None: no tracker)
     task_name: str | None = None  # free-form task name, recorded with the trackers
-    model_name: str | None = None  # the model's name or path, recorded with the trackers
-    query_dataset: str | None = None  # the dataset's name, recorded with the trackers
-    reward_model: str | None = None  # the reward model's name, recorded with the trackers
+    model_name: str | None = "gpt2"  # the model's name or path (TRL's examples load it; recorded with the trackers)
+    query_dataset: str | None = "stanfordnlp/imdb"  # the dataset's name (TRL's examples load it)
+    reward_model: str | None = "sentiment-analysis:lvwerra/distilbert-imdb"  # "task:model" (TRL's examples)
     remove_unused_columns: bool = True  # drop dataset columns the collator does not need (kept for parity)
     tracker_kwargs: dict = field(default_factory=dict)  # passed to init_trackers(init_kwargs=...)
     accelerator_kwargs: dict = field(default_factory=dict)  # passed to Accelerator(...)
@@ -63,7 +69,7 @@ class PPOConfig:
     cliprange_value: float = 0.2  # value clip
     vf_coef: float = 0.1  # value loss coefficient
     batch_size: int = 128  # episodes per PPO step
-    forward_batch_size: int | None = None  # deprecated in TRL 0.11; no-grad forwards use mini_batch_size
+    forward_batch_size: int | None = None  # deprecated in TRL 0.11: overrides mini_batch_size
     mini_batch_size: int = 128  # episodes per optimisation step
     gradient_accumulation_steps: int = 1  # mini-batches per optimizer step
     world_size: int | None = None  # set from accelerate
@@ -104,6 +110,10 @@ class PPOConfig:
         for name in ("batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.forward_batch_size is not None:
+            warnings.warn("Note that using `forward_batch_size` is deprecated, use `mini_batch_size` instead. By "
+                          "setting it you overwrite `mini_batch_size`.", stacklevel=3)
+            self.mini_batch_size = self.forward_batch_size
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         backward = self.mini_batch_size * self.gradient_accumulation_steps
@@ -123,6 +133,11 @@ class PPOConfig:
         self.world_size = self.world_size or 1
         self.global_backward_batch_size = backward * self.world_size
         self.global_batch_size = self.batch_size * self.world_size
+        self.total_ppo_epochs = int(math.ceil(self.steps / self.batch_size))  # TRL's examples stop at this
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a flat dict (nested dicts joined with "/"), as TRL 0.11 records them with trackers."""
+        return core.flatten_dict(dict(self.__dict__))
 
 
 class RunningMoments:
@@ -147,8 +162,13 @@ _GENERATE_KWARGS = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_
                     "pad_token_id", "eos_token_id", "stop_strings", "use_cache", "batch_size"}
 
 
-def _collate(rows: list[dict]) -> dict[str, list]:
-    """Dict of lists, as TRL 0.11's collator: `batch["input_ids"]` is a list of 1-D tensors."""
+def _collate(rows: list) -> dict[str, list]:
+    """Dict rows -> dict of lists, as TRL 0.11's example collator: `batch["input_ids"]` is a list of 1-D tensors.
+    Any other rows (tuples, tensors) get torch's default collation, as TRL 0.11 gives them without a collator."""
+    from collections.abc import Mapping
+
+    if not isinstance(rows[0], Mapping):
+        return torch.utils.data.default_collate(rows)
     out = {key: [row[key] for row in rows] for key in rows[0]}
     if "input_ids" in out:
         out["input_ids"] = [torch.as_tensor(x, dtype=torch.long) for x in out["input_ids"]]
@@ -169,27 +189,31 @@ class PPOTrainer:
         self.config = config = config or PPOConfig()
         if model is None or tokenizer is None:
             raise ValueError("PPOTrainer needs `model` and `tokenizer`")
-        if num_shared_layers is not None:
-            warnings.warn("num_shared_layers is ignored: the reference shares every layer (adapter disabled) "
-                          "under LoRA, or is a full frozen copy", stacklevel=2)
         set_seed(config.seed)
+        project = {"project_dir": config.project_dir, **config.project_kwargs}
         self.accelerator = Accelerator(gradient_accumulation_steps=config.gradient_accumulation_steps,
                                        mixed_precision=config.mixed_precision, log_with=config.log_with,
-                                       project_dir=config.project_dir, **config.accelerator_kwargs)
+                                       project_config=ProjectConfiguration(**project), **config.accelerator_kwargs)
         config.world_size = self.accelerator.num_processes
+        config.global_backward_batch_size = config.backward_batch_size * config.world_size
+        config.global_batch_size = config.batch_size * config.world_size
         if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
             raise ValueError("encoder-decoder models are not supported; use a causal LM")
         if not isinstance(model, AutoModelForCausalLMWithValueHead):
             model = AutoModelForCausalLMWithValueHead(model, v_head_init_std=config.value_head_init_std)
         self.is_peft_model = config.is_peft_model = model.is_peft_model
-        config.is_encoder_decoder = False
+        self.is_encoder_decoder = config.is_encoder_decoder = False
         if ref_model is not None:
-            ref = ref_model.pretrained_model if isinstance(ref_model, AutoModelForCausalLMWithValueHead) else ref_model
-            self.ref_model = ref.eval().requires_grad_(False)
+            if num_shared_layers is not None:
+                warnings.warn("num_shared_layers is ignored when ref_model is provided. Two different models are "
+                              "used for the model and the reference model and no layers are shared.", UserWarning,
+                              stacklevel=2)
+            self.ref_model = ref_model.eval().requires_grad_(False)
         elif self.is_peft_model:
             self.ref_model = None  # the adapter-disabled backbone
         else:
-            self.ref_model = copy.deepcopy(model.pretrained_model).eval().requires_grad_(False)
+            # A frozen copy; with num_shared_layers the first layers are shared and frozen in the policy too.
+            self.ref_model = create_reference_model(model, num_shared_layers=num_shared_layers)
         if config.gradient_checkpointing:
             lm = model.pretrained_model
             # transformers 5.24 renamed gradient_checkpointing_enable to activation_checkpointing_enable
@@ -211,17 +235,28 @@ class PPOTrainer:
         if not params:
             raise ValueError("the model has no trainable parameters")
         self.optimizer = optimizer or torch.optim.Adam(params, lr=config.learning_rate, eps=config.adam_eps)
-        self.lr_scheduler = lr_scheduler
+        if lr_scheduler is not None and not isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+            raise ValueError("lr_scheduler must be a torch.optim.lr_scheduler.LRScheduler")
+        if dataset is None:
+            warnings.warn("No dataset is provided. Make sure to set config.batch_size to the correct value before "
+                          "training.", UserWarning, stacklevel=2)
         self.dataset = self._prepare_dataset(dataset) if dataset is not None else None
         self.dataloader = None
         if self.dataset is not None:
-            self.dataloader = torch.utils.data.DataLoader(self.dataset, batch_size=config.batch_size, shuffle=True,
-                                                          collate_fn=data_collator or _collate, drop_last=True)
+            self.dataloader = self.prepare_dataloader(self.dataset, data_collator)
+        # The collator of prepare_model_inputs (TRL's training_data_collator): pads query+response ids.
+        from transformers import DataCollatorForLanguageModeling
+
+        self.data_collator = training_data_collator or DataCollatorForLanguageModeling(tokenizer, mlm=False)
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
         if self.dataloader is not None:
             self.dataloader = self.accelerator.prepare(self.dataloader)
+        # Prepared, the scheduler steps with the optimizer's real steps (gradient accumulation included).
+        self.lr_scheduler = self.accelerator.prepare(lr_scheduler) if lr_scheduler is not None else None
         if self.ref_model is not None:
             self.ref_model = self.ref_model.to(self.accelerator.device)
+        self.current_device = self.accelerator.device
+        self.is_distributed = self.accelerator.num_processes > 1
         self.kl_ctl = (AdaptiveKLController(config.init_kl_coef, config.target, config.horizon) if config.adap_kl_ctrl
                        else FixedKLController(config.init_kl_coef))
         self.running = RunningMoments()
@@ -245,6 +280,18 @@ class PPOTrainer:
             dataset = dataset.map(lambda row: {"input_ids": self.tokenizer(row["query"])["input_ids"]},
                                   num_proc=self.config.dataset_num_proc)
         return dataset
+
+    def prepare_dataloader(self, dataset, data_collator=None) -> torch.utils.data.DataLoader:
+        """Shuffled batches of `batch_size`, the last incomplete one dropped (TRL 0.11). A `datasets.Dataset`
+        keeps only the columns the model's forward takes plus label, query and response (remove_unused_columns).
+        """
+        columns = getattr(dataset, "column_names", None)
+        if columns is not None and self.config.remove_unused_columns and hasattr(dataset, "remove_columns"):
+            keep = set(inspect.signature(AutoModelForCausalLMWithValueHead.forward).parameters) | {
+                "input_ids", "attention_mask", "label", "query", "response"}
+            dataset = dataset.remove_columns([c for c in columns if c not in keep])
+        return torch.utils.data.DataLoader(dataset, batch_size=self.config.batch_size, shuffle=True,
+                                           collate_fn=data_collator or _collate, drop_last=True)
 
     @property
     def policy(self):
@@ -298,9 +345,10 @@ class PPOTrainer:
         responses = run(self.policy)
         if generate_ref_response:
             with self._reference():
-                ref_responses = run(self.ref_model or self.policy)
-            return (responses[0], ref_responses[0]) if single else (responses, ref_responses)
-        return responses[0] if single else responses
+                ref_responses = run(self._ref_lm or self.policy)
+            # A single 1-D query gives a (1, L) tensor, as model.generate does (TRL 0.11).
+            return (responses[0][None], ref_responses[0][None]) if single else (responses, ref_responses)
+        return responses[0][None] if single else responses
 
     def step(self, queries: list[torch.Tensor], responses: list[torch.Tensor], scores: list,
              response_masks: list[torch.Tensor] | None = None) -> dict[str, float]:
@@ -320,6 +368,8 @@ class PPOTrainer:
         score_values = []
         for i, s in enumerate(scores):
             s = torch.as_tensor(s, dtype=torch.float32)
+            if s.dim() > 1:
+                raise ValueError(f"Scores must be 1-dimensional - got {s.dim()} for scores[{i}] = {s}")
             if s.numel() != 1:
                 raise ValueError(f"scores[{i}] must be a scalar, got shape {tuple(s.shape)}")
             score_values.append(float(s))
@@ -338,11 +388,28 @@ class PPOTrainer:
         return self._update(build_batch(rows, self.tokenizer.pad_token_id))
 
     def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log=("query", "response")) -> None:
-        """Send the stats (plus reward mean/std) to the trackers and the metrics file."""
+        """Send the stats (plus env/reward_mean, env/reward_std) to the trackers and the metrics file.
+
+        With W&B, `columns_to_log` of `batch` plus the rewards go to a "game_log" table, as in TRL 0.11.
+        """
         rewards = torch.tensor([float(torch.as_tensor(r)) for r in rewards])
+        if self.config.log_with == "wandb" and any(c not in batch for c in columns_to_log):
+            raise ValueError(f"Columns to log {columns_to_log} are not present in the batch {batch.keys()}.")
+        if "query" not in batch and "response" not in batch:
+            warnings.warn("The game logs will not be logged because the batch does not contain the keys 'query' "
+                          "and 'response'. ", stacklevel=2)
         row = dict(stats)
         row["env/reward_mean"], row["env/reward_std"] = rewards.mean().item(), rewards.std(unbiased=False).item()
-        self.metrics_log.write(row, self.current_step)
+        row["env/reward_dist"] = rewards.numpy()
+        wandb_on = any(getattr(t, "name", None) == "wandb" for t in self.accelerator.trackers)
+        if wandb_on and self.accelerator.is_main_process and "query" in batch:
+            import wandb
+
+            table = [[_loggable(batch[c][i]) for c in columns_to_log] + [rewards[i].item()]
+                     for i in range(len(rewards))]
+            self.accelerator.log({"game_log": wandb.Table(columns=[*columns_to_log, "reward"], rows=table)},
+                                 step=self.current_step)
+        self.metrics_log.write(_scalars(row), self.current_step)
 
     def _scale_scores(self, scores: torch.Tensor) -> torch.Tensor:
         if self.config.use_score_scaling:
@@ -386,7 +453,7 @@ class PPOTrainer:
             stats = self._update(batch)
             stats.update(episode_metrics(episodes))
             stats["time/rollout"] = rollout_seconds
-            self.metrics_log.write(stats, self.current_step)
+            self.metrics_log.write(_scalars(stats), self.current_step)
             self.samples_log.write(self.current_step, episodes, self._sample_tensors)
             history.append(stats)
             if callback is not None:
@@ -414,7 +481,7 @@ class PPOTrainer:
             with self.accelerator.autocast():
                 logp, v, _, logits = policy_forward(self.model, chunk, T)
                 with self._reference():
-                    ref_logp, ref_logits = lm_logprobs(self.ref_model or self.policy, chunk, T, return_logits=True)
+                    ref_logp, ref_logits = lm_logprobs(self._ref_lm or self.policy, chunk, T, return_logits=True)
             kl = kl_penalty(logp, ref_logp, kind, logits[:, :-1] / T, ref_logits[:, :-1] / T)
             for out, x in zip(parts, (logp, v, ref_logp, kl)):
                 out.append(torch.nn.functional.pad(x, (0, pad)))
@@ -424,6 +491,12 @@ class PPOTrainer:
         if self.ref_model is None:
             return self.accelerator.unwrap_model(self.model).adapter_disabled()
         return contextlib.nullcontext()
+
+    @property
+    def _ref_lm(self):
+        """The reference as a plain causal LM (None under LoRA: the adapter-disabled policy is the reference)."""
+        ref = self.ref_model
+        return ref.pretrained_model if isinstance(ref, AutoModelForCausalLMWithValueHead) else ref
 
     def _update(self, batch: TokenBatch) -> dict[str, float]:
         cfg, t0 = self.config, time.time()
@@ -439,18 +512,14 @@ class PPOTrainer:
         kl = kl * mask
         non_score_rewards = -self.kl_ctl.value * kl
         rewards = non_score_rewards + batch.scores
-        if cfg.whiten_rewards:
-            rewards = whiten(rewards, mask, shift_mean=False)
         t_rewards = time.time()
-        advantages, returns = gae(rewards, values, mask, cfg.gamma, cfg.lam)
-        if cfg.whiten_advantages:
-            advantages = whiten(advantages, mask)
-        advantages, returns = advantages.detach(), returns.detach()
+        raw_values = values
+        values, advantages, returns = self.compute_advantages(values, rewards, mask)
         self._sample_tensors = {"trainer_logprobs": old_logprobs, "ref_logprobs": ref_logprobs,
-                                "advantages": advantages, "values": values}
+                                "advantages": advantages, "values": raw_values}
         t_adv = time.time()
 
-        acc = defaultdict(list)
+        all_stats = []
         skipped = nonfinite = 0
         for _epoch in range(cfg.ppo_epochs):
             perm = torch.randperm(len(batch))
@@ -462,12 +531,11 @@ class PPOTrainer:
                 mb_old, mb_values, mb_adv, mb_ret = (x[idx, :w] for x in (old_logprobs, values, advantages, returns))
                 with self.accelerator.accumulate(self.model):
                     with self.accelerator.autocast():
-                        logprobs, vpred, entropy, _ = policy_forward(self.model, mb, cfg.temperature, with_entropy=True)
-                    pg_loss, pg_stats = ppo_policy_loss(logprobs, mb_old, mb_adv, mb.loss_mask, cfg.cliprange)
-                    vf_loss, vf_stats = ppo_value_loss(vpred, mb_values, mb_ret, mb.loss_mask, cfg.cliprange_value)
-                    mean_entropy = masked_mean(entropy, mb.loss_mask)
-                    loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * mean_entropy
-                    if pg_stats["ratio"] > cfg.ratio_threshold:
+                        logprobs, vpred, _, logits = policy_forward(self.model, mb, cfg.temperature)
+                    pg_loss, vf_term, mb_stats = self.loss(mb_old, mb_values, logits[:, :-1] / cfg.temperature, vpred,
+                                                           logprobs, mb.loss_mask, mb_adv, mb_ret)
+                    loss = pg_loss + vf_term - cfg.entropy_coef * mb_stats["policy/entropy"]
+                    if mb_stats["policy/skipped"]:
                         loss, skipped = loss * 0.0, skipped + 1  # TRL 0.11: the mini-batch is skipped
                     if torch.isfinite(loss):
                         self.accelerator.backward(loss)
@@ -479,55 +547,218 @@ class PPOTrainer:
                     if self.accelerator.sync_gradients and cfg.max_grad_norm is not None:
                         self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
                     self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
-                acc["ppo/loss/policy"].append(pg_loss.item())
-                acc["ppo/loss/value"].append(vf_loss.item())
-                acc["ppo/loss/total"].append(loss.item())
-                acc["ppo/policy/entropy"].append(mean_entropy.item())
-                for k in ("approxkl", "policykl", "clipfrac", "k3kl"):
-                    acc[f"ppo/policy/{k}"].append(pg_stats[k].item())
-                acc["ppo/policy/ratio"].append(pg_stats["ratio"].item())
-                acc["ppo/val/clipfrac"].append(vf_stats["clipfrac"].item())
-                acc["ppo/val/vpred"].append(masked_mean(vpred, mb.loss_mask).item())
-                acc["ppo/val/error"].append(masked_mean((vpred - mb_ret).square(), mb.loss_mask).item())
-                epoch_kl.append(pg_stats["policykl"].item())
+                    # No arguments: the caller's optimizer decides (set_to_none or not); accelerate handles
+                    # accumulation (https://huggingface.co/docs/accelerate/usage_guides/gradient_accumulation).
+                    self.optimizer.zero_grad()
+                mb_stats["loss/total"] = loss.detach()
+                del mb_stats["policy/skipped"]
+                all_stats.append(mb_stats)
+                epoch_kl.append(mb_stats["policy/policykl"].item())
             if cfg.early_stopping and sum(epoch_kl) / len(epoch_kl) > 1.5 * cfg.target_kl:
                 break
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
         t_opt = time.time()
 
-        seq_kl = kl.sum(-1)  # (B,) KL summed over each episode's action tokens
-        stats = {k: sum(v) / len(v) for k, v in acc.items()}
-        explained = 1.0 - masked_var(returns - values, mask) / masked_var(returns, mask).clamp(min=1e-8)
+        train_stats = core.stack_dicts(all_stats)
+        # Advantages and ratios of every mini-batch, flattened, rather than averaged (TRL 0.11).
+        train_stats["policy/advantages"] = torch.nan_to_num(
+            torch.flatten(train_stats["policy/advantages"]).unsqueeze(0), core.WANDB_PADDING)
+        query_lens = (mask.float().argmax(-1) + 1).where(mask.any(-1), batch.attention_mask.sum(-1)).float()
+        stats = self.record_step_stats(
+            kl_coef=self.kl_ctl.value, scores=batch.scores.sum(-1), logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+            non_score_reward=non_score_rewards, train_stats=train_stats, masks=mask, kls=kl,
+            query_lens=query_lens, response_lens=mask.sum(-1).float())
+        if self.is_distributed:
+            stats = self.gather_stats(stats)
+        stats = core.convert_to_scalar(core.stats_to_np(stats))
         stats.update({
-            "objective/kl": seq_kl.mean().item(),
-            "objective/kl_coef": self.kl_ctl.value,
-            "objective/logprobs": masked_mean(old_logprobs, mask).item(),
-            "objective/ref_logprobs": masked_mean(ref_logprobs, mask).item(),
-            "objective/entropy": (-old_logprobs * mask).sum(-1).mean().item(),
-            "ppo/mean_scores": batch.scores.sum(-1).mean().item(),
-            "ppo/std_scores": batch.scores.sum(-1).std(unbiased=False).item(),
-            "ppo/mean_non_score_reward": non_score_rewards.sum(-1).mean().item(),
-            "ppo/returns/mean": masked_mean(returns, mask).item(),
-            "ppo/returns/var": masked_var(returns, mask).item(),
-            "ppo/val/mean": masked_mean(values, mask).item(),
-            "ppo/val/var_explained": explained.item(),
-            "ppo/policy/advantages_mean": masked_mean(advantages, mask).item(),
             "ppo/learning_rate": self.optimizer.param_groups[0]["lr"],
             "ppo/skipped_minibatches": float(skipped),
             "train/skipped_nonfinite": float(nonfinite),
-            "tokens/responses_len_mean": mask.sum(-1).mean().item(),
             "time/ppo/forward_pass": t_forward - t0,
             "time/ppo/compute_rewards": t_rewards - t_forward,
             "time/ppo/compute_advantages": t_adv - t_rewards,
             "time/ppo/optimize_step": t_opt - t_adv,
-            "time/ppo/total": time.time() - t0,
+            "time/ppo/calc_stats": time.time() - t_opt,
             **mismatch,
         })
         self.kl_ctl.update(stats["objective/kl"], cfg.batch_size * cfg.world_size)
+        stats["time/ppo/total"] = time.time() - t0
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
         self.current_step += 1
         return stats
+
+    # --- TRL 0.11's public pieces of a step --------------------------------------------------------------
+
+    def prepare_model_inputs(self, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> dict:
+        """query+response ids padded by `self.data_collator` (the tokenizer's padding side): input_ids and
+        attention_mask (B, T), on the trainer's device."""
+        ids = [torch.cat([q, r]) for q, r in zip(queries, responses)]
+        inputs = self.data_collator([{"input_ids": x, "attention_mask": torch.ones_like(x)} for x in ids])
+        inputs.pop("labels", None)  # no LM loss
+        return {k: v.to(self.current_device) for k, v in inputs.items()}
+
+    @torch.no_grad()
+    def batched_forward_pass(self, model, queries: list[torch.Tensor], responses: list[torch.Tensor],
+                             model_inputs: dict, return_logits: bool = False,
+                             response_masks: list[torch.Tensor] | None = None):
+        """Forward `model_inputs` in chunks of `mini_batch_size`, in eval mode.
+
+        Returns (logprobs, logits or None, values, masks), each over positions 0..T-2 of `model_inputs`
+        (position t scores token t+1): logprobs (B, T-1), logits (B, T-1, V), values (B, T-1), masks (B, T-1)
+        1 on response tokens (times `response_masks`). Position ids follow the attention mask, so left
+        padding does not shift positions. A plain LM (no value head) gives zero values.
+        """
+        fbs, out = self.config.mini_batch_size, {"logprobs": [], "logits": [], "values": [], "masks": []}
+        model.eval()
+        for i in range(math.ceil(len(queries) / fbs)):
+            chunk = {k: v[i * fbs:(i + 1) * fbs] for k, v in model_inputs.items()}
+            ids, attention = chunk["input_ids"], chunk["attention_mask"]
+            kwargs = {"position_ids": position_ids(attention)}
+            if isinstance(model, AutoModelForCausalLMWithValueHead) or isinstance(
+                    self.accelerator.unwrap_model(model), AutoModelForCausalLMWithValueHead):
+                logits, _, values = model(**chunk, **kwargs)
+            else:
+                from agentrl.models.value_head import accepts_position_ids
+
+                logits = model(**chunk, **(kwargs if accepts_position_ids(model) else {})).logits
+                values = torch.zeros(ids.shape, device=ids.device)
+            logits = logits.float() / self.config.temperature
+            masks = torch.zeros_like(attention)
+            masks[:, :-1] = attention[:, 1:]
+            for j in range(len(ids)):
+                start = len(queries[i * fbs + j]) - 1  # the position predicting the first response token
+                if attention[j, 0] == 0:  # left padding
+                    start += int(attention[j].nonzero()[0])
+                end = start + len(responses[i * fbs + j])
+                masks[j, :start] = 0
+                masks[j, end:] = 0
+                if response_masks is not None:
+                    masks[j, start:end] = masks[j, start:end] * response_masks[i * fbs + j].to(masks.device)
+            out["logprobs"].append(core.logprobs_from_logits(logits[:, :-1], ids[:, 1:]))
+            out["logits"].append(logits[:, :-1] if return_logits else None)
+            out["values"].append(values[:, :-1].float())
+            out["masks"].append(masks[:, :-1])
+        return (torch.cat(out["logprobs"]), torch.cat(out["logits"]) if return_logits else None,
+                torch.cat(out["values"]), torch.cat(out["masks"]))
+
+    def _kl_penalty(self, logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+        """Per-token KL estimate of `config.kl_penalty`; for "full", the inputs are log-distributions (.., V)."""
+        if self.config.kl_penalty == "full":
+            return kl_penalty(logprob, ref_logprob, "full", logprob, ref_logprob)
+        return kl_penalty(logprob, ref_logprob, self.config.kl_penalty)
+
+    def compute_rewards(self, scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                        masks: torch.Tensor):
+        """Per-token rewards (B, T): -kl_coef * KL everywhere, plus each row's score at its last mask-1 token.
+
+        scores (B,); logprobs, ref_logprobs (B, T) (or (B, T, V) log-distributions with kl_penalty "full");
+        masks (B, T). Returns (rewards, non_score_rewards, kls), each (B, T).
+        """
+        kls = self._kl_penalty(logprobs, ref_logprobs)
+        non_score_rewards = -self.kl_ctl.value * kls
+        rewards = non_score_rewards.clone()
+        for i, (score, mask) in enumerate(zip(scores, masks)):
+            rewards[i, mask.nonzero()[-1]] += score
+        return rewards, non_score_rewards, kls
+
+    def compute_advantages(self, values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor):
+        """GAE over the mask-1 positions (B, T) -> (values, advantages, returns), each (B, T), 0 where mask is 0.
+
+        Rewards are whitened first with `whiten_rewards`; advantages are whitened over the mask (TRL always
+        does; `whiten_advantages=False` turns it off) and detached. Mask-0 positions inside a row (tool output)
+        are skipped, not treated as steps with value 0: see `agentrl.algos.gae`.
+        """
+        values, rewards = values * mask, rewards * mask
+        if self.config.whiten_rewards:
+            rewards = whiten(rewards, mask, shift_mean=False)
+        advantages, returns = gae(rewards, values, mask, self.config.gamma, self.config.lam)
+        if self.config.whiten_advantages:
+            advantages = whiten(advantages, mask)
+        return values, advantages.detach(), returns.detach()
+
+    def loss(self, old_logprobs: torch.Tensor, values: torch.Tensor, logits: torch.Tensor, vpreds: torch.Tensor,
+             logprobs: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor):
+        """PPO's clipped policy and value losses on one mini-batch; all (B, T) but logits (B, T, V).
+
+        Returns (pg_loss, vf_coef * vf_loss, stats): TRL 0.11's flat stats dict of detached tensors. A
+        mini-batch whose mean ratio exceeds `ratio_threshold` is skipped: both losses become 0.
+        """
+        cfg = self.config
+        pg_loss, pg_stats = ppo_policy_loss(logprobs, old_logprobs, advantages, mask, cfg.cliprange)
+        vf_loss, vf_stats = ppo_value_loss(vpreds, values, returns, mask, cfg.cliprange_value)
+        skip = pg_stats["ratio"].item() > cfg.ratio_threshold
+        if skip:
+            warnings.warn(f"The average ratio of batch ({pg_stats['ratio'].item():.2f}) exceeds threshold "
+                          f"{cfg.ratio_threshold:.2f}. Skipping batch.", stacklevel=2)
+            pg_loss, vf_loss = pg_loss * 0.0, vf_loss * 0.0
+        entropy = masked_mean(entropy_from_logits(logits), mask)
+        with torch.no_grad():
+            stats = {
+                "loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(),
+                "loss/total": (pg_loss + cfg.vf_coef * vf_loss).detach(),
+                "policy/entropy": entropy, "policy/approxkl": pg_stats["approxkl"],
+                "policy/policykl": pg_stats["policykl"], "policy/clipfrac": pg_stats["clipfrac"],
+                "policy/k3kl": pg_stats["k3kl"], "policy/advantages": advantages.detach(),
+                "policy/advantages_mean": masked_mean(advantages, mask).detach(), "policy/ratio": pg_stats["ratio"],
+                "returns/mean": masked_mean(returns, mask), "returns/var": masked_var(returns, mask),
+                "val/vpred": masked_mean(vpreds, mask).detach(),
+                "val/error": masked_mean((vpreds - returns) ** 2, mask).detach(),
+                "val/clipfrac": vf_stats["clipfrac"], "val/mean": masked_mean(values, mask),
+                "val/var": masked_var(values, mask), "policy/skipped": skip,
+            }
+        return pg_loss, cfg.vf_coef * vf_loss, stats
+
+    def record_step_stats(self, kl_coef: float, **data) -> dict:
+        """TRL 0.11's step statistics from the pieces of a step.
+
+        data: masks, kls, logprobs, ref_logprobs, non_score_reward (B, T); scores (B,); train_stats (stacked
+        per-mini-batch stats of `loss`); and queries/responses (lists of tensors) or query_lens/response_lens.
+        """
+        mask, kls = data.pop("masks"), data.pop("kls")
+        kl_list = (kls * mask).sum(dim=-1)
+        mean_kl = kl_list.mean()
+        if mean_kl.item() < -1.0:
+            warnings.warn(f"KL divergence is starting to become negative: {mean_kl.item():.2f} - this might be a "
+                          "precursor for failed training. sometimes this happens because the generation kwargs are "
+                          "not correctly set. Please make sure that the generation kwargs are set correctly, or "
+                          "review your training hyperparameters.", stacklevel=2)
+        scores = data["scores"]
+        stats = {
+            "objective/kl": mean_kl,
+            "objective/kl_dist": kl_list,
+            "objective/logprobs": data["logprobs"],
+            "objective/ref_logprobs": data["ref_logprobs"],
+            "objective/kl_coef": kl_coef,
+            "objective/entropy": (-data["logprobs"] * mask).sum(dim=-1).mean(),
+            "ppo/mean_non_score_reward": core.masked_mean(data["non_score_reward"], mask),
+            "ppo/mean_scores": scores.mean(),
+            "ppo/std_scores": scores.std(unbiased=False),  # 0, not NaN, at batch_size=1
+        }
+        query_lens = data.get("query_lens")
+        if query_lens is None:
+            query_lens = torch.tensor([len(q) for q in data["queries"]], dtype=torch.float)
+        response_lens = data.get("response_lens")
+        if response_lens is None:
+            response_lens = torch.tensor([len(r) for r in data["responses"]], dtype=torch.float)
+        query_lens, response_lens = query_lens.float().cpu(), response_lens.float().cpu()
+        stats.update({
+            "tokens/queries_len_mean": query_lens.mean().item(), "tokens/queries_len_std": query_lens.std(unbiased=False).item(),
+            "tokens/queries_dist": query_lens.numpy(),
+            "tokens/responses_len_mean": response_lens.mean().item(),
+            "tokens/responses_len_std": response_lens.std(unbiased=False).item(), "tokens/responses_dist": response_lens.numpy(),
+        })
+        for key, value in data["train_stats"].items():
+            stats[f"ppo/{key}"] = torch.mean(value, dim=0)
+        stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
+        return stats
+
+    def gather_stats(self, stats: dict) -> dict:
+        """Average the tensor stats over processes (distributed training); others are kept as they are."""
+        if self.accelerator.num_processes == 1:
+            return stats
+        return {k: self.accelerator.reduce(v.to(self.accelerator.device), "mean") if isinstance(v, torch.Tensor)
+                else v for k, v in stats.items()}
 
     # --- checkpoints (agentrl.checkpoint) ---------------------------------------------------------------
 
@@ -565,6 +796,15 @@ class PPOTrainer:
                 self.tokenizer.save_pretrained(tmp)
 
         save_atomically(save_directory, write)
+
+
+def _scalars(row: dict) -> dict:
+    """The numbers and strings of a stats row (distributions such as objective/kl_dist are arrays)."""
+    return {k: v for k, v in row.items() if not isinstance(v, (np.ndarray, torch.Tensor, list, tuple))}
+
+
+def _loggable(x):
+    return x.tolist() if isinstance(x, torch.Tensor) else x
 
 
 def _flat_config(config: PPOConfig) -> dict[str, Any]:
