@@ -111,14 +111,12 @@ def _cmd_report(args) -> int:
 
 
 def _print_summary(summary: dict) -> None:
-    rows = [("", "before", "after")]
+    """Held-out metrics, sampled at the training temperature first (what RL optimises), greedy beside it."""
+    print(f"\nheld-out tasks: {summary['eval_tasks']:<8}{'sampled (T=1)':>20}{'greedy':>18}")
+    print(f"  {'':<22}{'before':>10}{'after':>10}{'before':>10}{'after':>10}")
     for key in ("accuracy", "tool_call_rate", "mean_score", "format_error_rate", "mean_turns"):
-        rows.append((key, f"{summary['before'][key]:.3f}", f"{summary['after'][key]:.3f}"))
-    rows.append(("accuracy (sampled T=1)", f"{summary['before_sampled']['accuracy']:.3f}",
-                 f"{summary['after_sampled']['accuracy']:.3f}"))
-    print(f"\nheld-out tasks: {summary['eval_tasks']} (greedy decoding unless noted)")
-    for name, b, a in rows:
-        print(f"  {name:<24}{b:>8}{a:>8}")
+        cells = [summary[part][key] for part in ("before_sampled", "after_sampled", "before", "after")]
+        print(f"  {key:<22}" + "".join(f"{c:>10.3f}" for c in cells))
     print(f"{summary['algo'].upper()} steps: {summary['steps']}  training time: {summary['train_seconds']} s  "
           f"total: {summary['wall_seconds']} s")
     print(f"adapter: {summary['adapter_dir']}")

@@ -197,6 +197,26 @@ def lm_logprobs(lm, batch: TokenBatch, temperature: float, return_logits: bool =
     return (logprobs, logits) if return_logits else logprobs
 
 
+def norm_gain_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Trainable gains of normalisation layers (under LoRA: the `modules_to_save` copies add_lora makes)."""
+    return [p for n, p in model.named_parameters() if p.requires_grad and "norm" in n and "v_head" not in n]
+
+
+def optimizer_groups(params: list, lr: float, own_rates: list[tuple[list, float | None]]) -> list[dict]:
+    """Adam parameter groups: `params` at `lr`, except each (subset, rate) of `own_rates` at its own rate.
+
+    Why the norm gains get their own rate: Adam moves every weight by about lr a step, so at a LoRA rate
+    (5e-4) a gain of ~1.3 changes by ~10% in a whole demo; the temperature-1 policy is sharpened by
+    exactly that scale (docs/sampled-accuracy.md). Per-group rates for parameters of different roles are
+    what LoRA+ (Hayou et al. 2024, arXiv:2402.12354) does for LoRA's A and B.
+    """
+    special = [(subset, rate) for subset, rate in own_rates if subset and rate is not None]
+    taken = {id(p) for subset, _ in special for p in subset}
+    groups = [{"params": [p for p in params if id(p) not in taken]}]
+    groups += [{"params": subset, "lr": rate} for subset, rate in special]
+    return groups
+
+
 class MetricsLog:
     """One row per step: appended to a `.jsonl` file (flushed each row, so a crash loses nothing) and, where
     the accelerator has trackers (TensorBoard, W&B, ...), its numbers sent to them."""

@@ -26,7 +26,8 @@ from accelerate.utils import set_seed
 from agentrl.algos.dpo import dpo_loss
 from agentrl.preferences import PreferenceExample, load_preferences
 from agentrl.trainers.common import (MetricsLog, build_batch, finite_or_raise, grads_finite, lm_logprobs,
-                                     load_trainer_state, progress_bar, resumed_metrics, trainer_state)
+                                     load_trainer_state, norm_gain_parameters, optimizer_groups, progress_bar,
+                                     resumed_metrics, trainer_state)
 
 
 @dataclass
@@ -39,6 +40,7 @@ class DPOConfig:
     learning_rate: float = 5e-5  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
     adam_epsilon: float = 1e-8  # AdamW epsilon
+    norm_learning_rate: float | None = None  # learning rate of trainable norm gains (None: learning_rate)
     num_train_epochs: float = 1.0  # passes over the pairs (ignored when max_steps > 0)
     max_steps: int = -1  # optimizer steps; > 0 overrides num_train_epochs
     warmup_steps: int = 0  # linear warm-up steps
@@ -133,6 +135,7 @@ class DPOTrainer:
         elif not self.is_peft_model and not config.precompute_ref_log_probs:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         params = [p for p in model.parameters() if p.requires_grad]
+        params = optimizer_groups(params, config.learning_rate, [(norm_gain_parameters(model), config.norm_learning_rate)])
         self.optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay,
                                            eps=config.adam_epsilon)
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)

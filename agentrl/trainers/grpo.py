@@ -25,8 +25,9 @@ from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams
 from agentrl.samples import SamplesLog
 from agentrl.trainers.common import (MetricsLog, TokenBatch, check_batch, episodes_to_batch, finite_or_raise,
-                                     grads_finite, lm_logprobs, load_trainer_state, logprob_mismatch, progress_bar,
-                                     resumed_cycler, resumed_metrics, trainer_state)
+                                     grads_finite, lm_logprobs, load_trainer_state, logprob_mismatch,
+                                     norm_gain_parameters, optimizer_groups, progress_bar, resumed_cycler,
+                                     resumed_metrics, trainer_state)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class GRPOConfig:
     temperature: float = 1.0  # sampling temperature; logprobs are computed at it
     max_grad_norm: float | None = 1.0  # gradient-norm clip (None: off)
     adam_eps: float = 1e-8  # Adam epsilon
+    norm_learning_rate: float | None = None  # learning rate of trainable norm gains (None: learning_rate)
     missing_eos_penalty: float | None = None  # subtracted from the score of episodes cut by max_new_tokens
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"  # accelerate's mixed precision
     log_with: str | None = None  # accelerate tracker ("tensorboard", "wandb", ...)
@@ -89,7 +91,8 @@ class GRPOTrainer:
         if config.beta > 0 and not self.is_peft_model:
             self.ref_model = (ref_model or copy.deepcopy(model)).eval().requires_grad_(False)
         params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = optimizer or torch.optim.Adam(params, lr=config.learning_rate, eps=config.adam_eps)
+        groups = optimizer_groups(params, config.learning_rate, [(norm_gain_parameters(model), config.norm_learning_rate)])
+        self.optimizer = optimizer or torch.optim.Adam(groups, lr=config.learning_rate, eps=config.adam_eps)
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
         if self.ref_model is not None:
             self.ref_model.to(self.accelerator.device)

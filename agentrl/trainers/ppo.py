@@ -35,8 +35,8 @@ from agentrl.rollout.sampling import SamplingParams, sample_batch
 from agentrl.samples import SamplesLog
 from agentrl.trainers.common import (MetricsLog, TokenBatch, build_batch, check_batch, episodes_to_batch,
                                      finite_or_raise, grads_finite, lm_logprobs, load_trainer_state, logprob_mismatch,
-                                     policy_forward, position_ids, progress_bar, resumed_cycler, resumed_metrics,
-                                     trainer_state)
+                                     norm_gain_parameters, optimizer_groups, policy_forward, position_ids,
+                                     progress_bar, resumed_cycler, resumed_metrics, trainer_state)
 
 
 @dataclass
@@ -98,6 +98,8 @@ class PPOConfig:
     whiten_advantages: bool = True  # whiten advantages over the mask (TRL always does)
     entropy_coef: float = 0.0  # entropy bonus (usually 0)
     value_head_init_std: float = 0.0  # value head init: 0 = zeros
+    value_learning_rate: float | None = None  # the value head's own learning rate (None: learning_rate), see __init__
+    norm_learning_rate: float | None = None  # learning rate of trainable norm gains (None: learning_rate)
     missing_eos_penalty: float | None = None  # subtracted from the score of episodes cut by max_new_tokens
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"  # accelerate's mixed precision
     project_dir: str | None = None  # where trackers write (tensorboard logs)
@@ -234,7 +236,12 @@ class PPOTrainer:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters")
-        self.optimizer = optimizer or torch.optim.Adam(params, lr=config.learning_rate, eps=config.adam_eps)
+        # The value head and the norm gains may get their own learning rates (see optimizer_groups). A separate
+        # critic rate is the norm in RLHF PPO (OpenRLHF's critic_learning_rate, verl's critic.optim.lr).
+        head = [p for p in model.v_head.parameters() if p.requires_grad]
+        groups = optimizer_groups(params, config.learning_rate, [(head, config.value_learning_rate),
+                                                                 (norm_gain_parameters(model), config.norm_learning_rate)])
+        self.optimizer = optimizer or torch.optim.Adam(groups, lr=config.learning_rate, eps=config.adam_eps)
         if lr_scheduler is not None and not isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
             raise ValueError("lr_scheduler must be a torch.optim.lr_scheduler.LRScheduler")
         if dataset is None:
