@@ -233,6 +233,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"agentrl: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except Exception as e:
+        # A checkpoint that cannot be resumed, or a run stopped by non-finite losses: one line, no traceback.
+        # (Looked up, not imported: agentrl.checkpoint pulls in torch, and raised these only if it is loaded.)
+        checkpoint = sys.modules.get("agentrl.checkpoint")
+        if checkpoint is not None and isinstance(e, (checkpoint.CheckpointError, checkpoint.NonFiniteError)):
+            print(f"agentrl: {e}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

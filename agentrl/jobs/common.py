@@ -3,10 +3,11 @@ and the `Run` a job starts from (base model, tokenizer, environment factory, hel
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentrl.config import ConfigError
+from agentrl.config import ConfigError, to_dict
 from agentrl.envs.base import load_object, load_tasks, make_env
 from agentrl.errors import UserError
 from agentrl.models.tiny import BaseModelConfig
@@ -169,6 +170,10 @@ class Run:
         return {"greedy": evaluate(model, self.tokenizer, self.env_factory, self.eval_tasks, True, **kw),
                 "sampled": evaluate(model, self.tokenizer, self.env_factory, self.eval_tasks, False, temperature, **kw)}
 
+    def train_tasks(self, spec: str, n: int, seed: int) -> list[dict]:
+        """Training tasks of `spec` with every held-out task removed (see training_tasks)."""
+        return training_tasks(EnvSection(tasks=spec, train_tasks=n), seed, self.eval_tasks)
+
 
 def load_base(base: str):
     """(model, tokenizer) of model.base; an error naming the key when it does not load."""
@@ -211,7 +216,57 @@ def add_lora(model, model_cfg: ModelSection):
     if not model_cfg.lora:
         return model
     extra = norm_module_names(model) if model_cfg.train_norms else None
-    return get_peft_model(model, LoraConfig(r=model_cfg.lora_r, lora_alpha=model_cfg.lora_alpha,
-                                            lora_dropout=model_cfg.lora_dropout, bias="none",
-                                            target_modules=list(model_cfg.target_modules), task_type="CAUSAL_LM",
-                                            modules_to_save=extra))
+    model = get_peft_model(model, LoraConfig(r=model_cfg.lora_r, lora_alpha=model_cfg.lora_alpha,
+                                             lora_dropout=model_cfg.lora_dropout, bias="none",
+                                             target_modules=list(model_cfg.target_modules), task_type="CAUSAL_LM",
+                                             modules_to_save=extra))
+    # peft keeps target_modules as a set and saves it in hash order; sorted, equal runs save equal files.
+    model.peft_config["default"].target_modules = sorted(model.peft_config["default"].target_modules)
+    return model
+
+
+def warn_ineffective(config, algo: str) -> None:
+    """Settings that cannot take effect in this job: a warning naming the key, once, at start."""
+    from agentrl.trainers.grpo import GRPOConfig
+    from agentrl.trainers.ppo import PPOConfig
+
+    def warn(key: str, why: str) -> None:
+        warnings.warn(f"config {key}: {why}", UserWarning, stacklevel=3)
+
+    if config.model.lora and config.model.lora_dropout > 0:
+        warn("model.lora_dropout", "has no effect: the trainers keep the model in eval mode (dropout off)")
+    if algo in ("ppo", "grpo"):
+        for key, value, off in (("rollout.top_k", config.rollout.top_k, 0), ("rollout.top_p", config.rollout.top_p, 1.0)):
+            if value != off:
+                warn(key, f"={value} shapes what is sampled, but the {algo.upper()} ratio and KL use logprobs of "
+                          "the full tempered distribution, so the update does not correct for it")
+    if algo == "ppo":
+        ppo, default = config.ppo, PPOConfig()
+        for key in ("use_score_scaling", "use_score_norm", "score_clip"):
+            if getattr(ppo, key) != getattr(default, key):
+                warn(f"ppo.{key}", "only applies to trainer.step(); the agent loop of this job ignores it")
+        for key in ("forward_batch_size", "optimize_cuda_cache", "optimize_device_cache", "compare_steps",
+                    "push_to_hub_if_best_kwargs"):
+            if getattr(ppo, key) != getattr(default, key):
+                warn(f"ppo.{key}", "is accepted for TRL 0.11 parity and has no effect")
+        if ppo.steps != default.steps:
+            warn("ppo.steps", f"is ignored by the job, which runs `steps` ({config.steps})")
+    if algo == "grpo":
+        grpo = config.grpo
+        if grpo.steps != GRPOConfig().steps:
+            warn("grpo.steps", f"is ignored by the job, which runs `steps` ({config.steps})")
+        if grpo.mini_batch_size > grpo.batch_size:
+            warn("grpo.mini_batch_size", f"={grpo.mini_batch_size} is larger than the batch (tasks_per_step * "
+                                         f"num_generations = {grpo.batch_size}): one mini-batch of {grpo.batch_size}")
+        per_step = -(-grpo.batch_size // grpo.mini_batch_size) * grpo.num_iterations
+        if per_step % grpo.gradient_accumulation_steps:
+            warn("grpo.gradient_accumulation_steps", f"={grpo.gradient_accumulation_steps} does not divide the "
+                 f"{per_step} mini-batches of a step: an optimizer step mixes gradients of two batches")
+    if hasattr(config, "reward") and not config.reward.models and config.reward.weight != type(config.reward)().weight:
+        warn("reward.weight", "has no effect without reward.models")
+
+
+def summary_config(config) -> dict:
+    """The config recorded in summary.json: everything but `resume`, so a resumed run's summary equals the
+    uninterrupted run's."""
+    return {k: v for k, v in to_dict(config).items() if k != "resume"}
