@@ -150,8 +150,8 @@ class SamplesLog:
         self._append(rows)
 
 
-def read_samples(path: str | Path) -> list[dict]:
-    """Rows of a samples.jsonl; a bad line is an error naming the file and line."""
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Rows of a JSONL run file (samples, metrics, pairs); a bad line is an error naming the file and line."""
     rows = []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if line.strip():
