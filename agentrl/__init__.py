@@ -13,6 +13,8 @@ _LAZY = {
     "GRPOTrainer": "agentrl.trainers.grpo",
     "PPOConfig": "agentrl.trainers.ppo",
     "PPOTrainer": "agentrl.trainers.ppo",
+    "SFTConfig": "agentrl.trainers.sft",
+    "SFTTrainer": "agentrl.trainers.sft",
     "AutoModelForCausalLMWithValueHead": "agentrl.models.value_head",
     "AutoModelForSeq2SeqLMWithValueHead": "agentrl.models.value_head",
     "create_reference_model": "agentrl.models.value_head",

@@ -36,6 +36,20 @@ def _cmd_grpo(args) -> int:
     return 0
 
 
+def _cmd_sft(args) -> int:
+    from agentrl.jobs.ppo import load_job
+    from agentrl.jobs.sft import run_sft_job
+
+    summary = run_sft_job(load_job(args.config, args.overrides))
+    g, s = summary["after"], summary["after_sampled"]
+    print(f"\nSFT: {summary['demonstrations']} demonstrations ({summary['skipped_rows']} bad rows skipped), "
+          f"{summary['steps']} steps, final loss {summary['final_loss']:.3f}, {summary['train_seconds']} s")
+    print(f"held-out tasks: {summary['eval_tasks']}  accuracy {g['accuracy']:.3f} (sampled T=1: {s['accuracy']:.3f})  "
+          f"tool_call_rate {g['tool_call_rate']:.3f}  format_error_rate {g['format_error_rate']:.3f}")
+    print(f"model: {summary['model_dir']}  (train it: agentrl ppo --config ... model.base={summary['model_dir']})")
+    return 0
+
+
 def _cmd_dpo(args) -> int:
     from agentrl.jobs.dpo import load_dpo_job, run_dpo_job
 
@@ -134,9 +148,14 @@ def _env_arguments(p: argparse.ArgumentParser, tasks: int) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentrl", description="RL for tool-using LLM agents")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    # --debug after the command too (`agentrl ppo --debug ...`); SUPPRESS keeps the top-level value otherwise
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("base-model", help="build (or reuse) the embedded tiny base model")
+    p = sub.add_parser("base-model", help="build (or reuse) the embedded tiny base model",
+                       parents=[debug])
     p.add_argument("--out", default="runs/base-model")
     p.add_argument("overrides", nargs="*", help="BaseModelConfig fields as key=value")
     p.set_defaults(func=_cmd_base_model)
@@ -144,13 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text, example, func in (
             ("ppo", "run a PPO job from a YAML config", "quickstart", _cmd_ppo),
             ("grpo", "run a GRPO / Dr. GRPO / RLOO job from a YAML config", "grpo", _cmd_grpo),
+            ("sft", "SFT on demonstrations (sft.data=... or env.demonstrations=...) -> out_dir/model", "quickstart",
+             _cmd_sft),
             ("dpo", "DPO: offline on a pairs file (data=...) or iterative from an environment", "dpo", _cmd_dpo)):
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, parents=[debug])
         p.add_argument("--config", required=True, help=f"a YAML file, or a shipped config name ({example})")
         p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
         p.set_defaults(func=func)
 
-    p = sub.add_parser("preferences", help="sample K trajectories per task and write best/worst pairs")
+    p = sub.add_parser("preferences", help="sample K trajectories per task and write best/worst pairs", parents=[debug])
     p.add_argument("--model", required=True)
     p.add_argument("--adapter", default=None)
     _env_arguments(p, tasks=256)
@@ -160,12 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="pairs JSONL to write")
     p.set_defaults(func=_cmd_preferences)
 
-    p = sub.add_parser("reward-model", help="train a Bradley-Terry reward model from preference pairs")
+    p = sub.add_parser("reward-model", help="train a Bradley-Terry reward model from preference pairs", parents=[debug])
     p.add_argument("--config", default=None, help="a YAML file of RewardModelConfig fields")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     p.set_defaults(func=_cmd_reward_model)
 
-    p = sub.add_parser("compare", help="win-rate of model A against model B on the same tasks and seeds")
+    p = sub.add_parser("compare", help="win-rate of model A against model B on the same tasks and seeds",
+                       parents=[debug])
     p.add_argument("--a", required=True, help="MODEL_DIR or MODEL_DIR:ADAPTER_DIR")
     p.add_argument("--b", required=True, help="MODEL_DIR or MODEL_DIR:ADAPTER_DIR")
     _env_arguments(p, tasks=200)
@@ -176,19 +198,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="A/B episodes for `agentrl report` (default: samples.jsonl beside --out)")
     p.set_defaults(func=_cmd_compare)
 
-    p = sub.add_parser("quickstart", help="base model -> eval -> PPO -> eval, on the calculator")
+    p = sub.add_parser("quickstart", help="base model -> eval -> PPO -> eval, on the calculator", parents=[debug])
     p.add_argument("--out", default="runs/quickstart")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the quickstart config")
     p.set_defaults(func=_cmd_quickstart)
 
-    p = sub.add_parser("report", help="write RUN_DIR/report.html: summary, curves and episodes of a run")
+    p = sub.add_parser("report", help="write RUN_DIR/report.html: summary, curves and episodes of a run",
+                       parents=[debug])
     p.add_argument("run", nargs="?", help="a run directory (out_dir of a ppo/grpo/dpo job)")
     p.add_argument("--compare", nargs=2, metavar=("RUN_A", "RUN_B"), help="overlay two runs' curves")
     p.add_argument("--out", default=None, help="HTML file to write (default: in the (first) run directory)")
     p.add_argument("--screenshot", default=None, help="also save a PNG of the page (needs Chromium)")
     p.set_defaults(func=_cmd_report)
 
-    p = sub.add_parser("eval", help="evaluate a model (and adapter) on held-out tasks")
+    p = sub.add_parser("eval", help="evaluate a model (and adapter) on held-out tasks", parents=[debug])
     p.add_argument("--model", required=True)
     p.add_argument("--adapter", default=None)
     _env_arguments(p, tasks=200)
@@ -200,14 +223,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from agentrl.config import ConfigError
+    from agentrl.errors import UserError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as e:
-        print(f"agentrl: config error: {e}", file=sys.stderr)
+    except UserError as e:  # a mistake in the config, the data or a path: one line, not a traceback
+        if args.debug:
+            raise
+        print(f"agentrl: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except Exception as e:
+        # A checkpoint that cannot be resumed, or a run stopped by non-finite losses: one line, no traceback.
+        # (Looked up, not imported: agentrl.checkpoint pulls in torch, and raised these only if it is loaded.)
+        checkpoint = sys.modules.get("agentrl.checkpoint")
+        if checkpoint is not None and isinstance(e, (checkpoint.CheckpointError, checkpoint.NonFiniteError)):
+            print(f"agentrl: {e}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

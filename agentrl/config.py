@@ -14,10 +14,12 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
+from agentrl.errors import UserError
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config file or override that does not fit the schema."""
 
 

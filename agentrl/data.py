@@ -6,6 +6,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from agentrl.errors import UserError
+
 
 def split_of(key: str, eval_fraction: float = 0.2) -> str:
     """Deterministic train/eval split by a task's text, so training and held-out tasks never overlap."""
@@ -19,19 +21,29 @@ def read_task_split(path: str | Path, split: str) -> list[dict]:
     return [r for r in rows if r.get("split", split_of(json.dumps(r, sort_keys=True))) == split]
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
+def jsonl_rows(path: str | Path) -> list[tuple[str, object]]:
+    """(where, value) for each non-blank line, `where` being "file:line"; a line that is not JSON gets a
+    UserError as its value, so a caller can skip and count it or raise it."""
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"task file {path} does not exist")
+    if not path.is_file():
+        raise UserError(f"{path}: file does not exist")
     rows = []
     for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if line.strip():
+            try:
+                rows.append((f"{path}:{lineno}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                rows.append((f"{path}:{lineno}", UserError(f"{path}:{lineno}: not valid JSON ({e.msg})")))
+    return rows
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The rows of a JSONL file of objects; the first bad line is an error naming file and line."""
+    rows = []
+    for where, row in jsonl_rows(path):
+        if isinstance(row, UserError):
+            raise row
         if not isinstance(row, dict):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
         rows.append(row)
     return rows

@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentrl.errors import UserError
 from agentrl.rollout.engine import Episode, encode_prompt
 
 
-class PreferenceDataError(ValueError):
+class PreferenceDataError(UserError):
     """A malformed preference row; the message names the file, the row and the field."""
 
 
@@ -66,36 +67,13 @@ def _segments(value, field: str, where: str, tokenizer, prompt_messages: list | 
         raise PreferenceDataError(f"{where}: field {field!r} has no assistant message")
     if _templated(tokenizer, prompt_messages):
         # As in a chat rollout, the mask is 1 on what the policy writes (an assistant turn as the template
-        # renders it, through its turn-end marker) and 0 on the rest: the template's own text for the
-        # messages between assistant turns, up to the next generation prompt. History is never re-rendered,
-        # so templates that rewrite earlier turns (Qwen3, Mistral, Hermes' tool_use) work too.
-        from agentrl.envs.chat import TemplateDriftError, appended_text, assistant_text, turn_end_marker
+        # renders it, through its turn-end marker) and 0 on the template's text for the messages between.
+        from agentrl.envs.chat import TemplateDriftError, conversation_segments
 
         try:
-            turn_end, segments, history = turn_end_marker(tokenizer, tools, template_kwargs), [], list(prompt_messages)
-            k = 0
-            while k < len(value):
-                if value[k]["role"] == "assistant":
-                    segments.append((assistant_text(tokenizer, history, value[k], tools, turn_end, template_kwargs),
-                                     True))
-                    history.append(value[k])
-                    k += 1
-                    if k < len(value) and value[k]["role"] == "assistant":  # two turns in a row
-                        segments.append((appended_text(tokenizer, history, [], tools, turn_end, template_kwargs),
-                                         False))
-                    continue
-                run = [value[k]]
-                while k + len(run) < len(value) and value[k + len(run)]["role"] != "assistant":
-                    run.append(value[k + len(run)])
-                if not history or history[-1]["role"] != "assistant":
-                    raise PreferenceDataError(f"{where}: field {field!r} message {k} ({run[0]['role']}) must follow "
-                                              f"an assistant message")
-                segments.append((appended_text(tokenizer, history, run, tools, turn_end, template_kwargs), False))
-                history += run
-                k += len(run)
+            return conversation_segments(tokenizer, prompt_messages, value, tools, template_kwargs)
         except TemplateDriftError as e:
             raise PreferenceDataError(f"{where}: field {field!r}: {e}") from e
-        return segments
     # No chat template: the trajectory is ReAct text, roles implicit; concatenate the contents.
     return [(m["content"] or "", m["role"] == "assistant") for m in value]
 

@@ -103,14 +103,19 @@ class SamplesLog:
     only. With `path=None` it writes nothing, so trainers can always call it."""
 
     def __init__(self, path: str | Path | None, tokenizer=None, every: int = 10, per_step: int = 4,
-                 accelerator=None, source: str = ""):
+                 accelerator=None, source: str = "", resume_bytes: int | None = None):
         if every < 1 or per_step < 0:
             raise ValueError(f"sample_every must be >= 1 and samples_per_step >= 0, got {every}, {per_step}")
         self.path = Path(path) if path and per_step and (accelerator is None or accelerator.is_main_process) else None
         self.tokenizer, self.every, self.per_step, self.source = tokenizer, every, per_step, source
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
+            if resume_bytes is None:
+                self.path.write_text("")
+            else:  # resumed from a checkpoint: drop what was written after it (agentrl.checkpoint)
+                from agentrl.checkpoint import truncate_to
+
+                truncate_to(self.path, resume_bytes)
 
     def wants(self, step: int) -> bool:
         return self.path is not None and (step == 1 or step % self.every == 0)
@@ -145,8 +150,8 @@ class SamplesLog:
         self._append(rows)
 
 
-def read_samples(path: str | Path) -> list[dict]:
-    """Rows of a samples.jsonl; a bad line is an error naming the file and line."""
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Rows of a JSONL run file (samples, metrics, pairs); a bad line is an error naming the file and line."""
     rows = []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if line.strip():

@@ -16,6 +16,19 @@ Episode score = sum of turn rewards. PPO puts each turn's reward on the last tok
 Optional, for environments that render through the tokenizer (ToolEnv in chat format): a method
 `bind_tokenizer(tokenizer)` the engine calls before `reset`; `keep_special_tokens = True` to get each turn's
 text with its special tokens (the sampled turn-end marker); `eos_ends_episode = False` when EOS only ends a turn.
+
+Tasks come from a function next to the environment, `my_tasks(n: int, seed: int, split: str) -> list[dict]`
+(split "train" or "eval"; a task's "question" key, when it has one, identifies it for the held-out split).
+Demonstrations for SFT (`env.demonstrations: module:function`, agentrl/trainers/sft.py) come from a function
+`my_demonstrations(task: dict, rng: random.Random) -> dict` returning one row for that task:
+
+    {"segments": [[reset(task), False], ["Thought: ...\nAction: tool(...)\n", True],
+                  ["Observation: ...\n", False], ["Answer: ...", True]]}
+    {"messages": [...], "tools": [...]}          # chat environments: only assistant messages are trained
+
+Split a segments row where the rollout engine splits turns: the prompt is exactly `reset(task)`, each model
+turn ends where a stop pattern matches, observations are exactly what `step` returns (none trainable); the
+row ends with EOS, as an episode does. Draw choices from `rng` so that the set is reproducible.
 """
 
 from __future__ import annotations

@@ -206,6 +206,34 @@ class ChatRenderer:
         return text if ended else self.turn_end + text
 
 
+def conversation_segments(tokenizer, prompt: list[dict], messages: list[dict], tools: list[dict] | None = None,
+                          template_kwargs: dict | None = None) -> list[tuple[str, bool]]:
+    """`messages` after `prompt` (rendered with its generation prompt) as (text, written by the policy)
+    segments, exactly as a chat rollout builds them, for SFT and DPO rows written as messages: each assistant
+    turn as the template renders it, through its turn-end marker (True); the template's own text for the
+    messages between assistant turns, up to the next generation prompt (False). History is never re-rendered,
+    so templates that rewrite earlier turns (Qwen3, Mistral, Hermes' tool_use) work too."""
+    turn_end, segments, history = turn_end_marker(tokenizer, tools, template_kwargs), [], list(prompt)
+    k = 0
+    while k < len(messages):
+        if messages[k]["role"] == "assistant":
+            segments.append((assistant_text(tokenizer, history, messages[k], tools, turn_end, template_kwargs), True))
+            history.append(messages[k])
+            k += 1
+            if k < len(messages) and messages[k]["role"] == "assistant":  # two turns in a row
+                segments.append((appended_text(tokenizer, history, [], tools, turn_end, template_kwargs), False))
+            continue
+        run = [messages[k]]
+        while k + len(run) < len(messages) and messages[k + len(run)]["role"] != "assistant":
+            run.append(messages[k + len(run)])
+        if not history or history[-1]["role"] != "assistant":
+            raise TemplateDriftError(f"message {k} ({run[0]['role']}) must follow an assistant message")
+        segments.append((appended_text(tokenizer, history, run, tools, turn_end, template_kwargs), False))
+        history += run
+        k += len(run)
+    return segments
+
+
 # A compact ChatML template with tool support for the embedded tiny model (tool names and arguments only,
 # so prompts stay short). Tool calls render as the Hermes JSON the model writes.
 CHATML_TOOLS_TEMPLATE = (

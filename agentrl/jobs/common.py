@@ -3,10 +3,13 @@ and the `Run` a job starts from (base model, tokenizer, environment factory, hel
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentrl.envs.base import load_tasks, make_env
+from agentrl.config import ConfigError, to_dict
+from agentrl.envs.base import load_object, load_tasks, make_env
+from agentrl.errors import UserError
 from agentrl.models.tiny import BaseModelConfig
 
 CONFIG_DIR = Path(__file__).parent.parent / "configs"
@@ -14,8 +17,10 @@ CONFIG_DIR = Path(__file__).parent.parent / "configs"
 
 @dataclass
 class ModelSection:
-    base: str = "embedded"  # a local model directory, or "embedded" to build/reuse the tiny default
-    base_dir: str = "runs/base-model"  # where the embedded model is built and cached
+    base: str = "embedded"  # a local model directory, or "embedded": the tiny model of env.demonstrations (if set),
+    # else of the built-in corpus model.builder.corpus
+    base_dir: str = "runs/base-model"  # where the embedded model is built and cached (a model of env.demonstrations
+    # goes to a sibling directory named by their hash, so no environment ever gets another's model)
     builder: BaseModelConfig = field(default_factory=BaseModelConfig)  # how the embedded model is built
     lora: bool = True  # train a LoRA adapter (reference = adapter disabled); False: full fine-tuning
     lora_r: int = 16  # LoRA rank
@@ -31,6 +36,8 @@ class EnvSection:
     name: str = "agentrl.envs:CalculatorEnv"  # "module:Class" of the environment
     kwargs: dict = field(default_factory=dict)  # passed to the environment's constructor
     tasks: str = "agentrl.envs:calculator_tasks"  # "module:function(n, seed, split)" or a .jsonl file
+    demonstrations: str | None = None  # "module:function(task, rng)" returning one demonstration row
+    # (trainers/sft.py), drawn over the training tasks: `agentrl sft`'s data, and the embedded model's
     train_tasks: int = 4000  # training tasks drawn (split "train")
     eval_tasks: int = 200  # held-out tasks (split "eval"), never seen in SFT or PPO
 
@@ -49,6 +56,98 @@ def resolve_config_path(name: str) -> Path:
         return path
     shipped = CONFIG_DIR / f"{name.removesuffix('.yaml')}.yaml"
     return shipped if shipped.exists() else path
+
+
+def environment_factory(env_cfg: EnvSection):
+    """A factory of fresh environments (one per episode), checked once; a bad spec is an error naming the key."""
+    try:
+        cls = load_object(env_cfg.name)
+    except ValueError as e:
+        raise ConfigError(f"env.name: {e}") from None
+    factory = lambda: make_env(cls, env_cfg.kwargs)  # noqa: E731
+    try:
+        factory()
+    except TypeError as e:  # the protocol's attributes are missing, or the kwargs do not fit the constructor
+        raise ConfigError(f"env.name={env_cfg.name}, env.kwargs={env_cfg.kwargs}: {e}") from None
+    return factory
+
+
+def tasks_of(env_cfg: EnvSection, n: int, seed: int, split: str) -> list[dict]:
+    try:
+        return load_tasks(env_cfg.tasks, n, seed, split)
+    except UserError:
+        raise
+    except ValueError as e:  # the spec does not load
+        raise ConfigError(f"env.tasks: {e}") from None
+
+
+def training_tasks(env_cfg: EnvSection, seed: int, eval_tasks: list[dict]) -> list[dict]:
+    """Training tasks with every held-out task removed; an error if none remain."""
+    held_out = {t.get("question", str(t)) for t in eval_tasks}
+    tasks = [t for t in tasks_of(env_cfg, env_cfg.train_tasks, seed, "train") if t.get("question", str(t)) not in held_out]
+    if not tasks or not eval_tasks:
+        raise ConfigError(f"env.tasks: {len(tasks)} training tasks remain after removing the "
+                          f"{len(eval_tasks)} held-out ones; both must be non-empty")
+    return tasks
+
+
+def renders_chat(env) -> bool:
+    """The environment renders conversations with the tokenizer's chat template (ToolEnv in chat format)."""
+    return getattr(env, "format", None) == "chat" or bool(getattr(env, "keep_special_tokens", False))
+
+
+def env_demonstrations(env_cfg: EnvSection, n: int, seed: int, eval_tasks: list[dict]) -> list:
+    """`n` rows of env.demonstrations over the training tasks (cycled), never a held-out task."""
+    from agentrl.trainers.sft import demonstrations_from_function
+
+    tasks = training_tasks(env_cfg, seed, eval_tasks)
+    rows = demonstrations_from_function(env_cfg.demonstrations, tasks, n, seed)
+    check_demonstrations(make_env(load_object(env_cfg.name), env_cfg.kwargs), tasks, rows)
+    return rows
+
+
+def check_demonstrations(env, tasks: list[dict], rows: list, k: int = 20) -> None:
+    """Warn when the first `k` segment rows do not split as this environment's rollouts do: a prompt other than
+    reset(task), or a trainable turn that runs past a stop pattern (a rollout would end the turn there)."""
+    import re
+    import warnings
+
+    if renders_chat(env):
+        return
+    stops = [re.compile(pattern) for pattern in env.stop_patterns]
+    for task, row in zip(tasks, rows[:k]):
+        segments = row.get("segments") if isinstance(row, dict) else row
+        if not isinstance(segments, (list, tuple)) or not all(isinstance(s, (list, tuple)) and len(s) == 2
+                                                                 for s in segments):
+            return  # another form; malformed rows are reported by the trainer
+        prompt = env.reset(task)
+        if segments and segments[0][0] != prompt:
+            warnings.warn(f"env.demonstrations: a row's first segment {segments[0][0]!r} is not reset(task) "
+                          f"{prompt!r}; the model would learn a prompt it never sees", stacklevel=3)
+            return
+        for text, trainable in segments[:-1]:
+            match = next((m for m in (p.search(text) for p in stops) if m), None) if trainable else None
+            if match and match.end() < len(text):
+                warnings.warn(f"env.demonstrations: a trainable segment runs past the stop pattern {match.group()!r}"
+                              f"; rollouts end the turn there, so split the row at it", stacklevel=3)
+                return
+
+
+def embedded_model(model_cfg: ModelSection, env_cfg: EnvSection, eval_tasks: list[dict], sft=None,
+                   chat: bool = False, progress: bool = True) -> str:
+    """The embedded model's directory: built from env.demonstrations when set (cached by their hash beside
+    model.base_dir), else from the built-in corpus (cached in model.base_dir)."""
+    from agentrl.jobs.base_model import build_base_model, build_from_demonstrations, demonstrations_key
+    from agentrl.trainers.sft import SFTConfig
+
+    if not env_cfg.demonstrations:
+        return str(build_base_model(model_cfg.base_dir, model_cfg.builder, progress=progress))
+    sft = sft or SFTConfig()
+    rows = env_demonstrations(env_cfg, sft.steps * sft.batch_size, sft.seed, eval_tasks)
+    key = demonstrations_key(rows, sft, chat).rpartition(":")[2][:12]
+    out = Path(model_cfg.base_dir).with_name(f"{Path(model_cfg.base_dir).name}-{key}")
+    return str(build_from_demonstrations(out, rows, model_cfg.builder, sft, chat,
+                                         f"env.demonstrations ({env_cfg.demonstrations})", progress))
 
 
 @dataclass
@@ -72,27 +171,28 @@ class Run:
                 "sampled": evaluate(model, self.tokenizer, self.env_factory, self.eval_tasks, False, temperature, **kw)}
 
     def train_tasks(self, spec: str, n: int, seed: int) -> list[dict]:
-        """Training tasks with every held-out task removed; an error if none remain."""
-        held_out = {t.get("question", str(t)) for t in self.eval_tasks}
-        tasks = [t for t in load_tasks(spec, n, seed, "train") if t.get("question", str(t)) not in held_out]
-        if not tasks or not self.eval_tasks:
-            raise ValueError(f"{spec}: {len(tasks)} training tasks remain after removing the "
-                             f"{len(self.eval_tasks)} held-out ones; both must be non-empty")
-        return tasks
+        """Training tasks of `spec` with every held-out task removed (see training_tasks)."""
+        return training_tasks(EnvSection(tasks=spec, train_tasks=n), seed, self.eval_tasks)
+
+
+def load_base(base: str):
+    """(model, tokenizer) of model.base; an error naming the key when it does not load."""
+    from agentrl.jobs.evaluate import load_policy
+
+    try:
+        return load_policy(base)
+    except UserError as e:
+        raise ConfigError(f"model.base: {e}") from None
 
 
 def prepare_run(model_cfg: ModelSection, env_cfg: EnvSection, rollout_cfg: RolloutSection, eval_seed: int,
-                progress: bool) -> Run:
-    from agentrl.jobs.base_model import build_base_model
-    from agentrl.jobs.evaluate import load_policy
-
+                progress: bool, sft=None) -> Run:
+    env_factory = environment_factory(env_cfg)
+    eval_tasks = tasks_of(env_cfg, env_cfg.eval_tasks, eval_seed, "eval")
     base_dir = model_cfg.base
     if base_dir == "embedded":
-        base_dir = str(build_base_model(model_cfg.base_dir, model_cfg.builder, progress=progress))
-    model, tokenizer = load_policy(base_dir)
-    env_factory = lambda: make_env(env_cfg.name, env_cfg.kwargs)  # noqa: E731
-    env_factory()  # fail early on a bad environment spec
-    eval_tasks = load_tasks(env_cfg.tasks, env_cfg.eval_tasks, eval_seed, "eval")
+        base_dir = embedded_model(model_cfg, env_cfg, eval_tasks, sft, renders_chat(env_factory()), progress)
+    model, tokenizer = load_base(base_dir)
     return Run(base_dir, model, tokenizer, env_factory, eval_tasks, rollout_cfg.max_new_tokens, eval_seed)
 
 
@@ -116,7 +216,57 @@ def add_lora(model, model_cfg: ModelSection):
     if not model_cfg.lora:
         return model
     extra = norm_module_names(model) if model_cfg.train_norms else None
-    return get_peft_model(model, LoraConfig(r=model_cfg.lora_r, lora_alpha=model_cfg.lora_alpha,
-                                            lora_dropout=model_cfg.lora_dropout, bias="none",
-                                            target_modules=list(model_cfg.target_modules), task_type="CAUSAL_LM",
-                                            modules_to_save=extra))
+    model = get_peft_model(model, LoraConfig(r=model_cfg.lora_r, lora_alpha=model_cfg.lora_alpha,
+                                             lora_dropout=model_cfg.lora_dropout, bias="none",
+                                             target_modules=list(model_cfg.target_modules), task_type="CAUSAL_LM",
+                                             modules_to_save=extra))
+    # peft keeps target_modules as a set and saves it in hash order; sorted, equal runs save equal files.
+    model.peft_config["default"].target_modules = sorted(model.peft_config["default"].target_modules)
+    return model
+
+
+def warn_ineffective(config, algo: str) -> None:
+    """Settings that cannot take effect in this job: a warning naming the key, once, at start."""
+    from agentrl.trainers.grpo import GRPOConfig
+    from agentrl.trainers.ppo import PPOConfig
+
+    def warn(key: str, why: str) -> None:
+        warnings.warn(f"config {key}: {why}", UserWarning, stacklevel=3)
+
+    if config.model.lora and config.model.lora_dropout > 0:
+        warn("model.lora_dropout", "has no effect: the trainers keep the model in eval mode (dropout off)")
+    if algo in ("ppo", "grpo"):
+        for key, value, off in (("rollout.top_k", config.rollout.top_k, 0), ("rollout.top_p", config.rollout.top_p, 1.0)):
+            if value != off:
+                warn(key, f"={value} shapes what is sampled, but the {algo.upper()} ratio and KL use logprobs of "
+                          "the full tempered distribution, so the update does not correct for it")
+    if algo == "ppo":
+        ppo, default = config.ppo, PPOConfig()
+        for key in ("use_score_scaling", "use_score_norm", "score_clip"):
+            if getattr(ppo, key) != getattr(default, key):
+                warn(f"ppo.{key}", "only applies to trainer.step(); the agent loop of this job ignores it")
+        for key in ("forward_batch_size", "optimize_cuda_cache", "optimize_device_cache", "compare_steps",
+                    "push_to_hub_if_best_kwargs"):
+            if getattr(ppo, key) != getattr(default, key):
+                warn(f"ppo.{key}", "is accepted for TRL 0.11 parity and has no effect")
+        if ppo.steps != default.steps:
+            warn("ppo.steps", f"is ignored by the job, which runs `steps` ({config.steps})")
+    if algo == "grpo":
+        grpo = config.grpo
+        if grpo.steps != GRPOConfig().steps:
+            warn("grpo.steps", f"is ignored by the job, which runs `steps` ({config.steps})")
+        if grpo.mini_batch_size > grpo.batch_size:
+            warn("grpo.mini_batch_size", f"={grpo.mini_batch_size} is larger than the batch (tasks_per_step * "
+                                         f"num_generations = {grpo.batch_size}): one mini-batch of {grpo.batch_size}")
+        per_step = -(-grpo.batch_size // grpo.mini_batch_size) * grpo.num_iterations
+        if per_step % grpo.gradient_accumulation_steps:
+            warn("grpo.gradient_accumulation_steps", f"={grpo.gradient_accumulation_steps} does not divide the "
+                 f"{per_step} mini-batches of a step: an optimizer step mixes gradients of two batches")
+    if hasattr(config, "reward") and not config.reward.models and config.reward.weight != type(config.reward)().weight:
+        warn("reward.weight", "has no effect without reward.models")
+
+
+def summary_config(config) -> dict:
+    """The config recorded in summary.json: everything but `resume`, so a resumed run's summary equals the
+    uninterrupted run's."""
+    return {k: v for k, v in to_dict(config).items() if k != "resume"}

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Literal
 
 from agentrl.config import load_config, to_dict
-from agentrl.jobs.common import EnvSection, ModelSection, RolloutSection, add_lora, prepare_run, resolve_config_path
+from agentrl.jobs.common import (EnvSection, ModelSection, RolloutSection, add_lora, prepare_run, resolve_config_path,
+                                 summary_config, warn_ineffective)
 from agentrl.trainers.dpo import DPOConfig
 
 
@@ -33,6 +34,11 @@ class DPOJobConfig:
     out_dir: str = "runs/dpo"  # adapter, pairs, metrics, samples.jsonl and summary.json go here
     eval_seed: int = 0  # seed of the held-out draw and of sampled evaluation
     progress: bool = True  # progress bars
+    checkpoint_every: int = 10  # checkpoint every this many DPO steps, after sampling each round, after the
+    # last step and on SIGTERM/SIGINT (0: never)
+    keep_checkpoints: int = 2  # newest checkpoints kept in out_dir/checkpoints
+    max_nonfinite_steps: int = 3  # stop after this many steps in a row with a non-finite loss or gradient (0: never)
+    resume: str | None = None  # "auto": the latest valid checkpoint in out_dir (fresh if none); or a checkpoint path
     sample_every: int = 1  # iterative: write chosen/rejected pairs to samples.jsonl every this many rounds
     samples_per_step: int = 4  # pairs written per sampled round (0: no samples.jsonl)
 
@@ -42,11 +48,18 @@ def load_dpo_job(path: str | None, overrides: list[str] | None = None) -> DPOJob
 
 
 def run_dpo_job(config: DPOJobConfig) -> dict:
+    """Offline or iterative DPO, evaluated before and after; resumable like the PPO job (see run_job).
+
+    Iterative checkpoints hold the round, the rounds so far, the task cycler and the round's pairs with their
+    reference logprobs, so a resumed round trains on exactly the pairs it sampled."""
+    import dataclasses
+    import warnings
+
     import torch
 
-    from agentrl.checkpoint import write_json, write_jsonl
+    from agentrl.checkpoint import Checkpointer, cached_eval, file_size, open_run, run_config, write_json, write_jsonl
     from agentrl.jobs.preferences import sample_pairs
-    from agentrl.preferences import pair_to_example
+    from agentrl.preferences import PreferenceExample, pair_to_example
     from agentrl.rollout.sampling import SamplingParams
     from agentrl.samples import SamplesLog
     from agentrl.trainers.common import TaskCycler
@@ -54,62 +67,115 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
 
     started = time.time()
     out = Path(config.out_dir)
-    run = prepare_run(config.model, config.env, config.rollout, config.eval_seed, config.progress)
-    model, tokenizer, env_factory = run.model, run.tokenizer, run.env_factory
-    max_new = config.rollout.max_new_tokens
-    before = run.evaluate_both(model, config.iterative.temperature)
-    torch.manual_seed(config.dpo.seed)  # LoRA init and rollouts: the same run for the same config
-    model = add_lora(model, config.model)
-    dpo_cfg = replace(config.dpo, output_dir=str(out / "adapter"), progress=config.progress,
-                      logging_dir=config.dpo.logging_dir or str(out))
-    samples = SamplesLog(out / "samples.jsonl", tokenizer, config.sample_every,
-                         config.samples_per_step if config.data is None else 0, source="iterative-dpo")
-    rounds, total_pairs, total_ties, trainer, steps = [], 0, 0, None, 0
-    train_started = time.time()
-    if config.data is not None:
-        trainer = DPOTrainer(model=model, args=dpo_cfg, train_dataset=config.data, tokenizer=tokenizer)
-        trainer.train(metrics_path=str(out / "metrics.jsonl"))
-        trainer.accelerator.end_training()  # flush and close the trackers' files
-        total_pairs, steps = len(trainer.examples), trainer.total_steps
-    else:
-        cycler = TaskCycler(run.train_tasks(config.env.tasks, config.env.train_tasks, dpo_cfg.seed), dpo_cfg.seed)
-        sampling = SamplingParams(max_new_tokens=max_new, temperature=config.iterative.temperature,
-                                  top_k=config.rollout.top_k, top_p=config.rollout.top_p)
-        for r in range(config.iterative.rounds):
-            model.eval()
-            pairs, ties, rows = sample_pairs(model, tokenizer, env_factory, cycler.draw(config.iterative.tasks_per_round),
-                                             config.iterative.samples, sampling)
-            write_jsonl(out / f"pairs-round{r}.jsonl", rows)
-            samples.write_pairs(r, pairs)
-            total_pairs, total_ties = total_pairs + len(pairs), total_ties + ties
-            record = {"round": r, "pairs": len(pairs), "ties_skipped": ties,
-                      "mean_chosen_score": sum(b.score for b, _ in pairs) / max(len(pairs), 1),
-                      "mean_rejected_score": sum(w.score for _, w in pairs) / max(len(pairs), 1)}
-            if pairs:
-                # Reference logprobs precomputed by the policy as it is now ("previous") or by the base.
-                round_cfg = replace(dpo_cfg, precompute_ref_log_probs=True,
-                                    reference_with_adapter=config.iterative.reference == "previous")
-                trainer = DPOTrainer(model=model, args=round_cfg, tokenizer=tokenizer,
-                                     train_dataset=[pair_to_example(b, w) for b, w in pairs])
-                history = trainer.train(metrics_path=str(out / f"metrics-round{r}.jsonl"))
-                trainer.accelerator.end_training()
-                steps += trainer.total_steps
-                record.update({k: history[-1][k] for k in ("loss", "rewards/accuracies", "rewards/margins")})
-            rounds.append(record)
-    train_seconds = time.time() - train_started
-    adapter_dir = Path(dpo_cfg.output_dir)
-    if trainer is None:
-        raise RuntimeError("no preference pairs were produced in any round; nothing to train on")
-    trainer.save_model(str(adapter_dir))
-    after = run.evaluate_both(model, config.iterative.temperature)
+    warn_ineffective(config, "dpo")
+    if config.data is not None and config.iterative != IterativeSection():
+        warnings.warn("config iterative.*: ignored when `data` is set (offline DPO)", UserWarning, stacklevel=2)
+    if config.dpo.output_dir != DPOConfig().output_dir:
+        warnings.warn(f"config dpo.output_dir: ignored; the job saves the adapter to {out / 'adapter'}", UserWarning,
+                      stacklevel=2)
+    fingerprint = run_config(to_dict(config))
+    state = open_run(out, config.resume, fingerprint)
+    # The iterative job's own state; `examples` are the current round's pairs while it trains.
+    job = (state or {}).get("job") or {"config": fingerprint, "round": 0, "rounds": [], "record": None,
+                                       "examples": None, "total_pairs": 0, "total_ties": 0, "steps": 0, "cycler": None}
+    live: dict = {}  # the objects job_state() snapshots: the cycler and the examples being trained on
+
+    def job_state() -> dict:
+        snap = dict(job, config=fingerprint)
+        if "cycler" in live:
+            snap["cycler"] = live["cycler"].state_dict()
+        if live.get("examples") is not None:
+            snap["examples"] = [dataclasses.asdict(ex) for ex in live["examples"]]
+        if "samples" in live:
+            snap["samples_bytes"] = file_size(live["samples"].path)
+        return snap
+
+    checkpointer = Checkpointer(out / "checkpoints", config.checkpoint_every, config.keep_checkpoints,
+                                config.max_nonfinite_steps, job_state=job_state)
+    with checkpointer.signals():
+        run = prepare_run(config.model, config.env, config.rollout, config.eval_seed, config.progress)
+        model, tokenizer, env_factory = run.model, run.tokenizer, run.env_factory
+        max_new = config.rollout.max_new_tokens
+        before = cached_eval(out, "before", fingerprint, lambda: run.evaluate_both(model, config.iterative.temperature))
+        torch.manual_seed(config.dpo.seed)  # LoRA init and rollouts: the same run for the same config
+        model = add_lora(model, config.model)
+        dpo_cfg = replace(config.dpo, output_dir=str(out / "adapter"), progress=config.progress,
+                          logging_dir=config.dpo.logging_dir or str(out))
+        samples = live["samples"] = SamplesLog(out / "samples.jsonl", tokenizer, config.sample_every,
+                                               config.samples_per_step if config.data is None else 0,
+                                               source="iterative-dpo",
+                                               resume_bytes=job.get("samples_bytes") if state else None)
+        trainer = None
+        train_started = time.time()
+        if config.data is not None:
+            trainer = DPOTrainer(model=model, args=dpo_cfg, train_dataset=config.data, tokenizer=tokenizer)
+            if state is not None:
+                trainer.load_state_dict(state["trainer"])
+                checkpointer.restore(state)
+            with checkpointer.loop():
+                trainer.train(metrics_path=str(out / "metrics.jsonl"), checkpointer=checkpointer)
+            trainer.accelerator.end_training()  # flush and close the trackers' files
+            job["total_pairs"], job["steps"] = len(trainer.examples), trainer.total_steps
+        else:
+            cycler = live["cycler"] = TaskCycler(run.train_tasks(config.env.tasks, config.env.train_tasks,
+                                                                 dpo_cfg.seed), dpo_cfg.seed)
+            if job["cycler"] is not None:
+                cycler.load_state_dict(job["cycler"])
+            sampling = SamplingParams(max_new_tokens=max_new, temperature=config.iterative.temperature,
+                                      top_k=config.rollout.top_k, top_p=config.rollout.top_p)
+            for r in range(job["round"], config.iterative.rounds):
+                resuming = job["examples"] is not None
+                if resuming:  # killed inside this round: its pairs (and reference logprobs) are in the checkpoint
+                    examples, record = [PreferenceExample(**ex) for ex in job["examples"]], job["record"]
+                else:
+                    model.eval()
+                    pairs, ties, rows = sample_pairs(model, tokenizer, env_factory,
+                                                     cycler.draw(config.iterative.tasks_per_round),
+                                                     config.iterative.samples, sampling)
+                    write_jsonl(out / f"pairs-round{r}.jsonl", rows)
+                    samples.write_pairs(r, pairs)
+                    job["total_pairs"], job["total_ties"] = job["total_pairs"] + len(pairs), job["total_ties"] + ties
+                    record = {"round": r, "pairs": len(pairs), "ties_skipped": ties,
+                              "mean_chosen_score": sum(b.score for b, _ in pairs) / max(len(pairs), 1),
+                              "mean_rejected_score": sum(w.score for _, w in pairs) / max(len(pairs), 1)}
+                    examples = [pair_to_example(b, w) for b, w in pairs]
+                if examples:
+                    # Reference logprobs precomputed by the policy as it is now ("previous") or by the base.
+                    round_cfg = replace(dpo_cfg, precompute_ref_log_probs=True,
+                                        reference_with_adapter=config.iterative.reference == "previous")
+                    trainer = DPOTrainer(model=model, args=round_cfg, tokenizer=tokenizer, train_dataset=examples)
+                    job.update(round=r, record=record)
+                    live["examples"] = trainer.examples
+                    checkpointer.step_offset = job["steps"]
+                    if resuming:
+                        trainer.load_state_dict(state["trainer"])
+                        checkpointer.restore(state)
+                    else:  # the round's pairs, before any step on them
+                        checkpointer.save(job["steps"], trainer.state_dict())
+                    with checkpointer.loop():
+                        history = trainer.train(metrics_path=str(out / f"metrics-round{r}.jsonl"),
+                                                checkpointer=checkpointer)
+                    trainer.accelerator.end_training()
+                    job["steps"] += trainer.total_steps
+                    record.update({k: history[-1][k] for k in ("loss", "rewards/accuracies", "rewards/margins")})
+                job["rounds"].append(record)
+                job.update(round=r + 1, record=None, examples=None)
+                live["examples"] = None
+        train_seconds = time.time() - train_started
+        adapter_dir = Path(dpo_cfg.output_dir)
+        if trainer is None:
+            raise RuntimeError("no preference pairs were produced in any round; nothing to train on")
+        trainer.save_model(str(adapter_dir))
+        after = cached_eval(out, "after", fingerprint, lambda: run.evaluate_both(model, config.iterative.temperature))
     summary = {
         "before": before["greedy"], "after": after["greedy"],
         "before_sampled": before["sampled"], "after_sampled": after["sampled"],
-        "algo": "dpo" if config.data else "iterative-dpo", "steps": steps, "ppo_steps": 0,
-        "rounds": rounds, "pairs": total_pairs, "ties_skipped": total_ties,
+        "algo": "dpo" if config.data else "iterative-dpo", "steps": job["steps"], "ppo_steps": 0,
+        "rounds": job["rounds"], "pairs": job["total_pairs"], "ties_skipped": job["total_ties"],
         "eval_tasks": len(run.eval_tasks), "train_seconds": round(train_seconds, 1),
         "wall_seconds": round(time.time() - started, 1),
-        "base_model_dir": str(run.base_dir), "adapter_dir": str(adapter_dir), "config": to_dict(config),
+        "base_model_dir": str(run.base_dir), "adapter_dir": str(adapter_dir), "config": summary_config(config),
     }
     write_json(out / "summary.json", summary)
     return summary
+

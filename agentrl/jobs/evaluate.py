@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from agentrl.errors import UserError
 from agentrl.rollout.engine import episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams
 
@@ -34,12 +35,18 @@ def load_policy(model_dir: str, adapter_dir: str | None = None):
     """(model, tokenizer) from a saved base model and, optionally, a PEFT adapter on top of it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:  # no such directory, or no model / tokenizer files in it
+        raise UserError(f"{model_dir}: cannot load a model and its tokenizer ({str(e).splitlines()[0]})") from None
     if adapter_dir:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, adapter_dir)
+        try:
+            model = PeftModel.from_pretrained(model, adapter_dir)
+        except (OSError, ValueError) as e:
+            raise UserError(f"{adapter_dir}: cannot load a PEFT adapter ({str(e).splitlines()[0]})") from None
     return model.eval(), tokenizer
 
 

@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from agentrl.config import load_config, to_dict
-from agentrl.jobs.common import EnvSection, ModelSection, RolloutSection, add_lora, prepare_run, resolve_config_path
+from agentrl.config import ConfigError, load_config, to_dict
+from agentrl.jobs.common import (EnvSection, ModelSection, RolloutSection, add_lora, env_demonstrations, prepare_run,
+                                 resolve_config_path, summary_config, warn_ineffective)
 from agentrl.samples import SamplesLog
 from agentrl.trainers.grpo import GRPOConfig
 from agentrl.trainers.ppo import PPOConfig
+from agentrl.trainers.sft import SFTConfig
 
 
 @dataclass
@@ -31,10 +33,15 @@ class JobConfig:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     reward: RewardSection = field(default_factory=RewardSection)
+    sft: SFTConfig = field(default_factory=SFTConfig)  # `agentrl sft`, and the embedded model of env.demonstrations
     steps: int = 60  # training steps (each of ppo.batch_size, or grpo.tasks_per_step * num_generations, episodes)
     out_dir: str = "runs/ppo"  # adapter, metrics.jsonl, samples.jsonl and summary.json go here
     eval_seed: int = 0  # seed of the held-out task draw and of sampled evaluation
     progress: bool = True  # progress bars
+    checkpoint_every: int = 10  # checkpoint every this many steps, after the last and on SIGTERM/SIGINT (0: never)
+    keep_checkpoints: int = 2  # newest checkpoints kept in out_dir/checkpoints
+    max_nonfinite_steps: int = 3  # stop after this many steps in a row with a non-finite loss or gradient (0: never)
+    resume: str | None = None  # "auto": the latest valid checkpoint in out_dir (fresh if none); or a checkpoint path
     sample_every: int = 10  # write episodes to samples.jsonl at step 1 and every this many steps
     samples_per_step: int = 4  # episodes written per sampled step (0: no samples.jsonl)
 
@@ -51,47 +58,71 @@ def trackers_in_run_dir(algo_config, out: Path) -> None:
 
 
 def run_job(config: JobConfig) -> dict:
-    """Build or load the base model, evaluate, train (PPO or GRPO), evaluate again, save; returns the summary."""
+    """Build or load the base model, evaluate, train (PPO or GRPO), evaluate again, save; returns the summary.
+
+    With `resume`, continues from a checkpoint of out_dir: stored evaluations are reused, metrics.jsonl is cut
+    back to the checkpoint's rows, and training continues exactly where the checkpoint left it.
+    """
     import torch
 
-    from agentrl.checkpoint import write_json
+    from agentrl.checkpoint import Checkpointer, cached_eval, open_run, run_config, write_json
     from agentrl.rollout.sampling import SamplingParams
     from agentrl.trainers.grpo import GRPOTrainer
     from agentrl.trainers.ppo import PPOTrainer
 
     started = time.time()
     out = Path(config.out_dir)
-    run = prepare_run(config.model, config.env, config.rollout, config.eval_seed, config.progress)
-    model, tokenizer, env_factory, eval_tasks = run.model, run.tokenizer, run.env_factory, run.eval_tasks
-    algo_config = config.ppo if config.algo == "ppo" else config.grpo
-    train_tasks = run.train_tasks(config.env.tasks, config.env.train_tasks, algo_config.seed)
-    max_new = config.rollout.max_new_tokens
-    before = run.evaluate_both(model, algo_config.temperature)
-    torch.manual_seed(algo_config.seed)
-    model = add_lora(model, config.model)
-    trackers_in_run_dir(algo_config, out)
-    if config.algo == "ppo":
-        trainer = PPOTrainer(config=config.ppo, model=model, tokenizer=tokenizer)
-    else:
-        trainer = GRPOTrainer(config.grpo, model, tokenizer)
-    trainer.samples_log = SamplesLog(out / "samples.jsonl", tokenizer, config.sample_every, config.samples_per_step,
-                                     trainer.accelerator, source=config.algo)
-    sampling = SamplingParams(max_new_tokens=max_new, temperature=algo_config.temperature,
-                              top_k=config.rollout.top_k, top_p=config.rollout.top_p)
-    score_hook = None
-    if config.reward.models:
-        from agentrl.trainers.reward import RewardModelScorer
+    warn_ineffective(config, config.algo)
+    fingerprint = run_config(to_dict(config))
+    state = open_run(out, config.resume, fingerprint)
+    checkpointer = Checkpointer(out / "checkpoints", config.checkpoint_every, config.keep_checkpoints,
+                                config.max_nonfinite_steps, job_state=lambda: {"config": fingerprint})
+    with checkpointer.signals():
+        run = prepare_run(config.model, config.env, config.rollout, config.eval_seed, config.progress, config.sft)
+        model, tokenizer, env_factory, eval_tasks = run.model, run.tokenizer, run.env_factory, run.eval_tasks
+        algo_config = config.ppo if config.algo == "ppo" else config.grpo
+        train_tasks = run.train_tasks(config.env.tasks, config.env.train_tasks, algo_config.seed)
+        max_new = config.rollout.max_new_tokens
+        before = cached_eval(out, "before", fingerprint, lambda: run.evaluate_both(model, algo_config.temperature))
+        torch.manual_seed(algo_config.seed)
+        model = add_lora(model, config.model)
+        trackers_in_run_dir(algo_config, out)
+        if config.algo == "ppo":
+            trainer = PPOTrainer(config=config.ppo, model=model, tokenizer=tokenizer)
+            if config.ppo.ptx_coef > 0 and config.ppo.ptx_data == "env":  # PPO-ptx on the environment's demonstrations
+                if not config.env.demonstrations:
+                    raise ConfigError("ppo.ptx_data: 'env' needs env.demonstrations (module:function(task, rng))")
+                trainer.set_ptx_data(env_demonstrations(config.env, len(train_tasks), config.ppo.seed, eval_tasks),
+                                     f"env.demonstrations ({config.env.demonstrations})")
+        else:
+            trainer = GRPOTrainer(config.grpo, model, tokenizer)
+        if state is not None:
+            trainer.load_state_dict(state["trainer"])
+            checkpointer.restore(state)
+        trainer.samples_log = SamplesLog(out / "samples.jsonl", tokenizer, config.sample_every, config.samples_per_step,
+                                         trainer.accelerator, source=config.algo,
+                                         resume_bytes=state["trainer"]["samples_bytes"] if state else None)
+        remaining = config.steps - trainer.current_step
+        if remaining < 0:
+            raise ValueError(f"steps={config.steps}, but the checkpoint resumed from is at step {trainer.current_step}")
+        sampling = SamplingParams(max_new_tokens=max_new, temperature=algo_config.temperature,
+                                  top_k=config.rollout.top_k, top_p=config.rollout.top_p)
+        score_hook = None
+        if config.reward.models:
+            from agentrl.trainers.reward import RewardModelScorer
 
-        score_hook = RewardModelScorer(config.reward.models, tokenizer, config.reward.weight,
-                                       config.reward.env_weight, config.reward.combine)
-    ppo_started = time.time()
-    trainer.train(env_factory, train_tasks, steps=config.steps, sampling=sampling,
-                  metrics_path=str(out / "metrics.jsonl"), progress=config.progress, score_hook=score_hook)
-    ppo_seconds = time.time() - ppo_started
-    trainer.accelerator.end_training()  # flush and close the trackers' files
-    adapter_dir = out / ("adapter" if config.model.lora else "model")
-    trainer.save_pretrained(str(adapter_dir))
-    after = run.evaluate_both(trainer.policy, algo_config.temperature)
+            score_hook = RewardModelScorer(config.reward.models, tokenizer, config.reward.weight,
+                                           config.reward.env_weight, config.reward.combine)
+        ppo_started = time.time()
+        with checkpointer.loop():
+            trainer.train(env_factory, train_tasks, steps=remaining, sampling=sampling,
+                          metrics_path=str(out / "metrics.jsonl"), progress=config.progress, score_hook=score_hook,
+                          checkpointer=checkpointer)
+        ppo_seconds = time.time() - ppo_started
+        trainer.accelerator.end_training()  # flush and close the trackers' files
+        adapter_dir = out / ("adapter" if config.model.lora else "model")
+        trainer.save_pretrained(str(adapter_dir))
+        after = cached_eval(out, "after", fingerprint, lambda: run.evaluate_both(trainer.policy, algo_config.temperature))
     summary = {
         "before": before["greedy"], "after": after["greedy"],
         "before_sampled": before["sampled"], "after_sampled": after["sampled"],
@@ -99,7 +130,7 @@ def run_job(config: JobConfig) -> dict:
         "episodes": config.steps * algo_config.batch_size,
         "eval_tasks": len(eval_tasks), "train_seconds": round(ppo_seconds, 1),
         "wall_seconds": round(time.time() - started, 1),
-        "base_model_dir": str(run.base_dir), "adapter_dir": str(adapter_dir), "config": to_dict(config),
+        "base_model_dir": str(run.base_dir), "adapter_dir": str(adapter_dir), "config": summary_config(config),
     }
     write_json(out / "summary.json", summary)
     return summary

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from agentrl.checkpoint import write_text_atomically
-from agentrl.samples import read_samples
+from agentrl.samples import read_jsonl
 
 # Curve panels: (title, [(series label, [metric keys, first present wins])]). A panel is drawn when one of its
 # series has data; PPO, GRPO and DPO each name the same quantity differently.
@@ -52,31 +52,20 @@ SUMMARY_ROWS = ("accuracy", "tool_call_rate", "mean_score", "format_error_rate",
 
 # --- reading a run --------------------------------------------------------------------------------------
 
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-    return rows
-
-
 def load_run(run_dir: str | Path) -> dict:
     """summary, metric rows (DPO rounds chained into one step axis), samples and compare results of a run."""
     run = Path(run_dir)
     if not run.is_dir():
         raise FileNotFoundError(f"{run}: no such run directory")
     summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
-    metrics = _read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
+    metrics = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
     offset = 0
     for path in sorted(run.glob("metrics-round*.jsonl"), key=lambda p: int(p.stem.removeprefix("metrics-round"))):
-        rows = _read_jsonl(path)
+        rows = read_jsonl(path)
         for row in rows:
             metrics.append({**row, "step": offset + row.get("step", 0)})
         offset += max((r.get("step", 0) for r in rows), default=0)
-    samples = read_samples(run / "samples.jsonl") if (run / "samples.jsonl").exists() else []
+    samples = read_jsonl(run / "samples.jsonl") if (run / "samples.jsonl").exists() else []
     _add_mismatch(metrics, samples)
     if not (summary or metrics or samples):
         raise FileNotFoundError(f"{run}: no summary.json, metrics.jsonl or samples.jsonl to report on")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import LlamaConfig, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 
@@ -19,14 +19,14 @@ BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 class BaseModelConfig:
     """How the embedded base model is built. The defaults are the smallest that learned reliably here."""
 
-    corpus: str = "calculator"  # which synthetic demonstrations to learn (see CORPORA)
+    corpus: str = "calculator"  # which built-in demonstrations to learn (agentrl.envs.CORPORA)
     tool_fraction: float = 0.4  # share of demonstrations that do the job right (call the tool / every call)
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
     intermediate_size: int = 256
     max_position_embeddings: int = 256
-    steps: int = 600
+    steps: int = 600  # SFT of a corpus model (a model of env.demonstrations trains with the `sft` section)
     batch_size: int = 64
     learning_rate: float = 3e-3
     warmup_steps: int = 50
@@ -59,12 +59,12 @@ def build_tokenizer(texts: list[str], vocab_size: int, extra_special: tuple[str,
     return tokenizer
 
 
-def tiny_llama_config(config: BaseModelConfig, tokenizer) -> LlamaConfig:
-    """The tiny Llama's architecture for this tokenizer (tied embeddings, no dropout)."""
-    return LlamaConfig(
+def tiny_llama(config: BaseModelConfig, tokenizer) -> LlamaForCausalLM:
+    """A freshly initialised tiny Llama for this tokenizer (tied embeddings, no dropout); seed torch first."""
+    return LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_heads, num_key_value_heads=config.num_heads,
         intermediate_size=config.intermediate_size, max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, attention_dropout=0.0,
-    )
+    ))

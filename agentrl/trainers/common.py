@@ -28,6 +28,7 @@ class TokenBatch:
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor
     scores: torch.Tensor
+    logprobs: torch.Tensor | None = None  # (B, T-1) the sampler's logprobs on sampled tokens (rollouts only)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -36,7 +37,12 @@ class TokenBatch:
         """Rows `idx`, trimmed to their longest sequence."""
         width = int(self.attention_mask[idx].sum(-1).max())
         return TokenBatch(self.input_ids[idx, :width], self.attention_mask[idx, :width],
-                          self.loss_mask[idx, : width - 1], self.scores[idx, : width - 1])
+                          self.loss_mask[idx, : width - 1], self.scores[idx, : width - 1],
+                          None if self.logprobs is None else self.logprobs[idx, : width - 1])
+
+    def to(self, device) -> "TokenBatch":
+        return TokenBatch(*(None if x is None else x.to(device) for x in (
+            self.input_ids, self.attention_mask, self.loss_mask, self.scores, self.logprobs)))
 
 
 def build_batch(rows: list[tuple[list[int], list[int], list[tuple[int, float]]]], pad_id: int) -> TokenBatch:
@@ -66,7 +72,100 @@ def episodes_to_batch(episodes: list[Episode], pad_id: int, missing_eos_penalty:
         if missing_eos_penalty is not None and ep.truncated and rewards:
             rewards[-1] = (rewards[-1][0], rewards[-1][1] - missing_eos_penalty)
         rows.append((ep.prompt_ids + ep.token_ids, [0] * n + ep.loss_mask, rewards))
-    return build_batch(rows, pad_id)
+    batch = build_batch(rows, pad_id)
+    batch.logprobs = torch.zeros_like(batch.loss_mask)
+    for i, ep in enumerate(episodes):  # token n + k of the sequence is predicted at position n + k - 1
+        n = len(ep.prompt_ids)
+        batch.logprobs[i, n - 1: n - 1 + len(ep.logprobs)] = torch.tensor(ep.logprobs, dtype=torch.float)
+    return batch
+
+
+def check_batch(episodes: list[Episode], batch: TokenBatch) -> None:
+    """Fail loudly unless, episode by episode, the ids trained are the ids the rollout produced and the
+    loss mask is 1 on exactly the tokens the policy sampled (each turn's last token among them)."""
+    ids, mask = batch.input_ids.tolist(), batch.loss_mask.tolist()
+    for i, ep in enumerate(episodes):
+        n, m = len(ep.prompt_ids), len(ep.token_ids)
+        if not len(ep.loss_mask) == m == len(ep.logprobs):
+            raise RuntimeError(f"episode {i}: {m} token ids but {len(ep.loss_mask)} loss_mask and "
+                               f"{len(ep.logprobs)} logprob entries")
+        if any(not 0 <= e < m or ep.loss_mask[e] != 1 for e in ep.turn_ends):
+            raise RuntimeError(f"episode {i}: a turn ends on a token the policy did not sample ({ep.turn_ends})")
+        want = ep.prompt_ids + ep.token_ids
+        if ids[i][: n + m] != want:
+            j = next(j for j, (a, b) in enumerate(zip(ids[i], want)) if a != b)
+            raise RuntimeError(f"episode {i}: the batch trains token id {ids[i][j]} at position {j} but the "
+                               f"rollout produced {want[j]}; trained ids must equal the sampled ids")
+        want_mask = [0.0] * (n - 1) + [float(x) for x in ep.loss_mask]
+        want_mask += [0.0] * (len(mask[i]) - len(want_mask))
+        if mask[i] != want_mask:
+            j = next(j for j, (a, b) in enumerate(zip(mask[i], want_mask)) if a != b)
+            raise RuntimeError(f"episode {i}: loss_mask is {mask[i][j]} at position {j} but should be 1 on "
+                               f"exactly the sampled tokens ({want_mask[j]} there)")
+
+
+def logprob_mismatch(recomputed: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor,
+                     threshold: float | None) -> dict[str, float]:
+    """|recomputed - sampled| logprobs over sampled tokens, (B, T-1) each: the trainer's forward at the
+    rollout's weights must reproduce the sampler's numbers. An error when the mean exceeds `threshold`
+    (a temperature, position or padding mismatch shifts every token; numerical noise stays far below)."""
+    diff = (recomputed.float() - sampled.float()).abs() * mask
+    n = mask.sum().clamp(min=1)
+    stats = {"rollout/logprob_mismatch_max": diff.max().item(), "rollout/logprob_mismatch_mean": (diff.sum() / n).item()}
+    if threshold is not None and not stats["rollout/logprob_mismatch_mean"] <= threshold:
+        raise RuntimeError(f"the trainer's logprobs at the rollout's weights differ from the sampler's by "
+                           f"{stats['rollout/logprob_mismatch_mean']:.4g} on average (max "
+                           f"{stats['rollout/logprob_mismatch_max']:.4g}), above logprob_mismatch_threshold="
+                           f"{threshold}: the update would not train the policy that sampled")
+    return stats
+
+
+def grads_finite(model: torch.nn.Module) -> bool:
+    """True when every gradient is finite (one device sync)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
+
+def trainer_state(trainer, **extra) -> dict:
+    """The state every trainer checkpoints: trainable weights, optimizer, step, RNGs, task position, log size."""
+    from agentrl.checkpoint import file_size, rng_state, trainable_state
+
+    cycler = getattr(trainer, "cycler", None)
+    return {"model": trainable_state(trainer.accelerator.unwrap_model(trainer.model)),
+            "optimizer": trainer.optimizer.state_dict(), "accelerator_step": trainer.accelerator.step,
+            "current_step": trainer.current_step, "rng": rng_state(),
+            "cycler": cycler.state_dict() if cycler is not None else None,
+            "metrics_bytes": file_size(trainer.metrics_log.path),
+            "samples_bytes": file_size(getattr(getattr(trainer, "samples_log", None), "path", None)), **extra}
+
+
+def load_trainer_state(trainer, state: dict) -> None:
+    """Inverse of trainer_state; the task position and log size are applied when train() starts."""
+    from agentrl.checkpoint import load_trainable, set_rng_state
+
+    load_trainable(trainer.accelerator.unwrap_model(trainer.model), state["model"])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.accelerator.step = state["accelerator_step"]
+    trainer.current_step = state["current_step"]
+    set_rng_state(state["rng"])
+    trainer.resumed = {"cycler": state["cycler"], "metrics_bytes": state["metrics_bytes"]}
+
+
+def resumed_cycler(trainer, tasks: list[dict], seed: int) -> "TaskCycler":
+    """The task cycler of train(): fresh, or at the position of the checkpoint the trainer was loaded from."""
+    trainer.cycler = TaskCycler(tasks, seed)
+    saved = (getattr(trainer, "resumed", None) or {}).pop("cycler", None)
+    if saved is not None:
+        trainer.cycler.load_state_dict(saved)
+    return trainer.cycler
+
+
+def resumed_metrics(trainer, path: str | None) -> "MetricsLog":
+    """The metrics log of train(): emptied, or cut back to the rows the loaded checkpoint had seen."""
+    if not path:
+        return trainer.metrics_log
+    resumed = getattr(trainer, "resumed", None) or {}
+    return MetricsLog(path, trainer.accelerator, resumed.pop("metrics_bytes", None))
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -122,12 +221,17 @@ class MetricsLog:
     """One row per step: appended to a `.jsonl` file (flushed each row, so a crash loses nothing) and, where
     the accelerator has trackers (TensorBoard, W&B, ...), its numbers sent to them."""
 
-    def __init__(self, path: str | Path | None, accelerator=None):
+    def __init__(self, path: str | Path | None, accelerator=None, resume_bytes: int | None = None):
         self.path = Path(path) if path else None
         self.accelerator = accelerator
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
+            if resume_bytes is None:
+                self.path.write_text("")
+            else:  # resumed: drop the rows (and any half row) written after the checkpoint
+                from agentrl.checkpoint import truncate_to
+
+                truncate_to(self.path, resume_bytes)
 
     def write(self, row: dict, step: int | None = None) -> None:
         if self.accelerator is not None and self.accelerator.trackers:
@@ -155,6 +259,16 @@ class TaskCycler:
                 self.rng.shuffle(self.order)
             out.append(self.tasks[self.order.pop()])
         return out
+
+    def state_dict(self) -> dict:
+        return {"order": list(self.order), "rng": self.rng.getstate(), "num_tasks": len(self.tasks)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_tasks"] != len(self.tasks):
+            raise ValueError(f"the checkpoint's task cycler had {state['num_tasks']} tasks, this run has "
+                             f"{len(self.tasks)}; resume with the same env.tasks and env.train_tasks")
+        self.order, self.rng = list(state["order"]), random.Random()
+        self.rng.setstate(state["rng"])
 
 
 def progress_bar(total: int, desc: str, enabled: bool):

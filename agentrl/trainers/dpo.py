@@ -25,8 +25,9 @@ from accelerate.utils import set_seed
 
 from agentrl.algos.dpo import dpo_loss
 from agentrl.preferences import PreferenceExample, load_preferences
-from agentrl.trainers.common import (MetricsLog, build_batch, finite_or_raise, lm_logprobs, norm_gain_parameters,
-                                     optimizer_groups, progress_bar)
+from agentrl.trainers.common import (MetricsLog, build_batch, finite_or_raise, grads_finite, lm_logprobs,
+                                     load_trainer_state, norm_gain_parameters, optimizer_groups, progress_bar,
+                                     resumed_metrics, trainer_state)
 
 
 @dataclass
@@ -146,6 +147,7 @@ class DPOTrainer:
             self._precompute_reference()
         self.metrics_log = MetricsLog(None, self.accelerator)
         self.history: list[dict] = []
+        self.current_step, self.lr_scheduler, self.resumed = 0, None, None
 
     # --- sequence logprobs ------------------------------------------------------------------------------
 
@@ -201,29 +203,46 @@ class DPOTrainer:
 
     # --- training ---------------------------------------------------------------------------------------
 
-    def train(self, metrics_path: str | None = None) -> list[dict]:
+    def train(self, metrics_path: str | None = None, checkpointer=None) -> list[dict]:
+        """Optimizer steps over shuffled pairs. After load_checkpoint, continues from the checkpoint's step.
+
+        checkpointer: an agentrl.checkpoint.Checkpointer (periodic checkpoints, signals, non-finite streaks).
+        """
         from transformers import get_scheduler
 
         cfg = self.config
-        self.metrics_log = MetricsLog(metrics_path, self.accelerator) if metrics_path else self.metrics_log
+        resumed = self.resumed or {}
+        self.metrics_log = resumed_metrics(self, metrics_path)
         size, accum = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
         per_epoch = max(1, math.ceil(len(self.examples) / size) // accum)
         total = cfg.max_steps if cfg.max_steps > 0 else max(1, int(per_epoch * cfg.num_train_epochs))
-        scheduler = get_scheduler(cfg.lr_scheduler_type, self.optimizer, cfg.warmup_steps, total)
+        self.lr_scheduler = scheduler = get_scheduler(cfg.lr_scheduler_type, self.optimizer, cfg.warmup_steps, total)
         self.total_steps = total
-        rng = random.Random(cfg.seed)
+        self.rng = random.Random(cfg.seed)
+        self.order, self.acc = [], defaultdict(list)  # pairs not yet drawn this epoch; stats since the last row
+        if "loop" in resumed:
+            loop = resumed.pop("loop")
+            scheduler.load_state_dict(loop["lr_scheduler"])
+            for group, lr in zip(self.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr  # creating the scheduler above reset it to the first step's
+            self.rng.setstate(loop["rng"])
+            self.order, self.acc = list(loop["order"]), defaultdict(list, loop["acc"])
+            self.history = list(loop["history"])
         bar = progress_bar(total, "DPO", cfg.progress)
+        if bar is not None:
+            bar.update(self.current_step)
         # Dropout off: the reference is the same network, and DPO's implicit reward compares the two.
         self.model.eval()
-        step, acc, order, started = 0, defaultdict(list), [], time.time()
-        while step < total:
+        started, acc = time.time(), self.acc
+        while self.current_step < total:
+            skipped = 0
             for _ in range(accum):
-                if len(order) < size:
+                if len(self.order) < size:
                     fresh = list(range(len(self.examples)))
-                    rng.shuffle(fresh)
-                    order += fresh
-                batch = [self.examples[i] for i in order[:size]]
-                del order[:size]
+                    self.rng.shuffle(fresh)
+                    self.order += fresh
+                batch = [self.examples[i] for i in self.order[:size]]
+                del self.order[:size]
                 with self.accelerator.accumulate(self.model):
                     ref_c, ref_r = self.reference_logps(batch)
                     with self.accelerator.autocast():
@@ -236,10 +255,13 @@ class DPOTrainer:
                         nll = (-pol_c / counts).mean()
                         loss = loss + cfg.rpo_alpha * nll
                         acc["nll/chosen"].append(nll.item())
-                    if not torch.isfinite(loss):
-                        loss = torch.nan_to_num(loss) * 0.0
-                        acc["nonfinite_losses"].append(1.0)
-                    self.accelerator.backward(loss)
+                    if torch.isfinite(loss):
+                        self.accelerator.backward(loss)
+                    else:  # a non-finite loss is never backpropagated: its update is skipped
+                        skipped += 1
+                    if self.accelerator.sync_gradients and not grads_finite(self.model):
+                        skipped += 1
+                        self.optimizer.zero_grad(set_to_none=True)  # no gradient left: the step changes nothing
                     if self.accelerator.sync_gradients and cfg.max_grad_norm:
                         self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
                     self.optimizer.step()
@@ -251,24 +273,64 @@ class DPOTrainer:
                 acc["rewards/margins"].append((rc - rr).mean().item())
                 acc["logps/chosen"].append(pol_c.detach().mean().item())
                 acc["logps/rejected"].append(pol_r.detach().mean().item())
+            acc["train/skipped_nonfinite"].append(float(skipped))
             scheduler.step()
-            step += 1
+            self.current_step += 1
+            step = self.current_step
             if step % cfg.logging_steps == 0 or step == total:
-                row = {k: sum(v) / len(v) for k, v in acc.items()}
+                row = {k: sum(v) / len(v) for k, v in acc.items() if k != "train/skipped_nonfinite"}
+                row["train/skipped_nonfinite"] = sum(acc["train/skipped_nonfinite"])  # updates skipped since the last row
                 row.update({"step": step, "learning_rate": scheduler.get_last_lr()[0],
                             "skipped_rows": self.skipped_rows, "elapsed": time.time() - started})
                 self.history.append(row)
                 self.metrics_log.write(row, step)
-                acc = defaultdict(list)
+                acc.clear()
                 if bar is not None:
                     bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['rewards/accuracies']:.2f}")
             if cfg.save_steps and step % cfg.save_steps == 0:
                 self.save_model(f"{cfg.output_dir}/checkpoint-{step}")
+            if checkpointer is not None:
+                checkpointer.after_step(self, step, {"train/skipped_nonfinite": skipped}, last=step == total)
             if bar is not None:
                 bar.update(1)
         if bar is not None:
             bar.close()
         return self.history
+
+    # --- checkpoints (agentrl.checkpoint) ---------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Weights, optimizer, RNGs, the reference logprobs of every pair, and (inside train()) the step,
+        pair order, scheduler and unlogged stats."""
+        loop = None
+        if self.lr_scheduler is not None:
+            loop = {"lr_scheduler": self.lr_scheduler.state_dict(), "rng": self.rng.getstate(),
+                    "order": list(self.order), "acc": dict(self.acc), "history": list(self.history)}
+        refs = [[ex.ref_chosen_logp, ex.ref_rejected_logp] for ex in self.examples]
+        return trainer_state(self, loop=loop, ref_logps=refs if self.config.precompute_ref_log_probs else None)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_trainer_state(self, state)
+        if state["ref_logps"] is not None:
+            if len(state["ref_logps"]) != len(self.examples):
+                from agentrl.checkpoint import CheckpointError
+
+                raise CheckpointError(f"the checkpoint has reference logprobs of {len(state['ref_logps'])} pairs, "
+                                      f"this trainer has {len(self.examples)}")
+            for ex, (c, r) in zip(self.examples, state["ref_logps"]):
+                ex.ref_chosen_logp, ex.ref_rejected_logp = c, r
+        if state["loop"] is not None:
+            self.resumed["loop"] = state["loop"]
+
+    def save_checkpoint(self, directory: str) -> None:
+        from agentrl.checkpoint import write_checkpoint
+
+        write_checkpoint(directory, {"trainer": self.state_dict()}, self.current_step)
+
+    def load_checkpoint(self, directory: str) -> None:
+        from agentrl.checkpoint import read_checkpoint
+
+        self.load_state_dict(read_checkpoint(directory)["trainer"])
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Adapter (under LoRA) or model + tokenizer, written atomically; refuses non-finite weights."""

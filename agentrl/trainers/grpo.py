@@ -24,8 +24,10 @@ from agentrl.algos.losses import entropy_from_logits
 from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams
 from agentrl.samples import SamplesLog
-from agentrl.trainers.common import (MetricsLog, TaskCycler, TokenBatch, episodes_to_batch, finite_or_raise,
-                                     lm_logprobs, norm_gain_parameters, optimizer_groups, progress_bar)
+from agentrl.trainers.common import (MetricsLog, TokenBatch, check_batch, episodes_to_batch, finite_or_raise,
+                                     grads_finite, lm_logprobs, load_trainer_state, logprob_mismatch,
+                                     norm_gain_parameters, optimizer_groups, progress_bar, resumed_cycler,
+                                     resumed_metrics, trainer_state)
 
 
 @dataclass
@@ -53,6 +55,8 @@ class GRPOConfig:
     tracker_project_name: str = "agentrl"  # project name for the trackers
     project_dir: str | None = None  # where trackers write
     tracker_kwargs: dict = field(default_factory=dict)  # passed to init_trackers(init_kwargs=...)
+    logprob_mismatch_threshold: float | None = 0.05  # error when the mean |recomputed - sampled| logprob at
+    # the rollout's weights exceeds this (None: only logged as rollout/logprob_mismatch_*)
 
     def __post_init__(self):
         for name in ("tasks_per_step", "num_generations", "num_iterations", "mini_batch_size",
@@ -109,17 +113,20 @@ class GRPOTrainer:
     def train(self, env_factory: Callable, tasks: list[dict], steps: int | None = None,
               sampling: SamplingParams | None = None, metrics_path: str | None = None,
               callback: Callable[[int, dict], None] | None = None, progress: bool = True,
-              score_hook: Callable[[list[Episode]], None] | None = None) -> list[dict]:
-        """`steps` steps; each rolls out `num_generations` episodes for each of `tasks_per_step` tasks."""
+              score_hook: Callable[[list[Episode]], None] | None = None, checkpointer=None) -> list[dict]:
+        """`steps` steps; each rolls out `num_generations` episodes for each of `tasks_per_step` tasks.
+
+        checkpointer: an agentrl.checkpoint.Checkpointer (periodic checkpoints, signals, non-finite streaks).
+        """
         cfg = self.config
-        steps = steps or cfg.steps
+        steps = cfg.steps if steps is None else steps
         sampling = sampling or SamplingParams(temperature=cfg.temperature)
         if abs(sampling.temperature - cfg.temperature) > 1e-9:
             raise ValueError(f"sampling temperature {sampling.temperature} != GRPOConfig.temperature {cfg.temperature}")
-        self.metrics_log = MetricsLog(metrics_path, self.accelerator) if metrics_path else self.metrics_log
-        cycler, history = TaskCycler(tasks, cfg.seed), []
+        self.metrics_log = resumed_metrics(self, metrics_path)
+        cycler, history = resumed_cycler(self, tasks, cfg.seed), []
         bar = progress_bar(steps, cfg.advantage.upper(), progress)
-        for _ in range(steps):
+        for i in range(steps):
             # Consecutive copies of a task form its group: (task_0 x G, task_1 x G, ...).
             batch_tasks = [t for t in cycler.draw(cfg.tasks_per_step) for _ in range(cfg.num_generations)]
             started = time.time()
@@ -134,6 +141,8 @@ class GRPOTrainer:
             history.append(stats)
             if callback is not None:
                 callback(self.current_step, stats)
+            if checkpointer is not None:
+                checkpointer.after_step(self, self.current_step, stats, last=i == steps - 1)
             if bar is not None:
                 bar.set_postfix(score=f"{stats['grpo/mean_scores']:.2f}", acc=f"{stats['env/accuracy']:.2f}",
                                 zero_var=f"{stats['grpo/zero_variance_groups']:.2f}")
@@ -164,8 +173,8 @@ class GRPOTrainer:
             scores = scores - cfg.missing_eos_penalty * torch.tensor([float(ep.truncated) for ep in episodes])
         advantages = self.advantages(scores).to(self.accelerator.device)
         full = episodes_to_batch(episodes, self.tokenizer.pad_token_id)
-        full = TokenBatch(*(x.to(self.accelerator.device) for x in (full.input_ids, full.attention_mask,
-                                                                     full.loss_mask, full.scores)))
+        check_batch(episodes, full)
+        full = full.to(self.accelerator.device)
         # loss_mask (B, T-1): 1 on sampled tokens; prompt, tool observations and padding are 0.
         chunks = [torch.arange(s, min(s + cfg.mini_batch_size, len(full))) for s in range(0, len(full), cfg.mini_batch_size)]
         old = ref = None
@@ -184,7 +193,11 @@ class GRPOTrainer:
         # (N,) advantages: every sampled token of an episode gets its episode's; old only when num_iterations > 1
         self._sample_tensors = {"advantages": advantages, "ref_logprobs": ref, "trainer_logprobs": old}
         acc = defaultdict(list)
-        for _ in range(cfg.num_iterations):
+        # Logprobs at the rollout's weights: `old` when computed, else the forwards before the first optimizer
+        # step (the first gradient_accumulation_steps mini-batches), compared with the sampler's.
+        at_rollout = [] if old is None else [(old, full.logprobs, full.loss_mask)]
+        nonfinite = 0
+        for it in range(cfg.num_iterations):
             perm = torch.randperm(len(full))
             for start in range(0, len(full), cfg.mini_batch_size):
                 idx = perm[start:start + cfg.mini_batch_size]
@@ -193,14 +206,19 @@ class GRPOTrainer:
                 with self.accelerator.accumulate(self.model):
                     with self.accelerator.autocast():
                         logprobs, logits = lm_logprobs(self.model, mb, cfg.temperature, return_logits=True)
+                    if old is None and it == 0 and start < cfg.mini_batch_size * cfg.gradient_accumulation_steps:
+                        at_rollout.append((logprobs.detach(), mb.logprobs, mb.loss_mask))
                     mb_old = logprobs.detach() if old is None else old[idx, :w]
                     loss, st = grpo_loss(logprobs, mb_old, advantages[idx], mb.loss_mask, cfg.epsilon,
                                          cfg.epsilon_high, cfg.beta, None if ref is None else ref[idx, :w],
                                          cfg.loss_aggregation)
-                    if not torch.isfinite(loss):
-                        loss = torch.nan_to_num(loss) * 0.0
-                        acc["grpo/nonfinite_losses"].append(1.0)
-                    self.accelerator.backward(loss)
+                    if torch.isfinite(loss):
+                        self.accelerator.backward(loss)
+                    else:  # a non-finite loss is never backpropagated: its update is skipped
+                        nonfinite += 1
+                    if self.accelerator.sync_gradients and not grads_finite(self.model):
+                        nonfinite += 1
+                        self.optimizer.zero_grad(set_to_none=True)  # no gradient left: the step changes nothing
                     if self.accelerator.sync_gradients and cfg.max_grad_norm is not None:
                         self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
                     self.optimizer.step()
@@ -213,7 +231,13 @@ class GRPOTrainer:
                 acc["grpo/ratio"].append(st["ratio"].item())
                 acc["grpo/entropy"].append(entropy.item())
         stats = {k: sum(v) / len(v) for k, v in acc.items()}
+        if at_rollout and full.logprobs is not None:
+            width = max(x.shape[1] for x, _, _ in at_rollout)
+            pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]))  # noqa: E731
+            stats.update(logprob_mismatch(*(torch.cat([pad(t[k]) for t in at_rollout]) for k in range(3)),
+                                          cfg.logprob_mismatch_threshold))
         stats.update({
+            "train/skipped_nonfinite": float(nonfinite),
             "grpo/mean_scores": scores.mean().item(),
             "grpo/std_scores": scores.std(unbiased=False).item(),
             "grpo/zero_variance_groups": zero_variance_fraction(scores, cfg.num_generations),
@@ -223,6 +247,25 @@ class GRPOTrainer:
         })
         self.current_step += 1
         return stats
+
+    # --- checkpoints (agentrl.checkpoint) ---------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs to continue exactly (weights, optimizer, RNGs, task position, ...)."""
+        return trainer_state(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_trainer_state(self, state)
+
+    def save_checkpoint(self, directory: str) -> None:
+        from agentrl.checkpoint import write_checkpoint
+
+        write_checkpoint(directory, {"trainer": self.state_dict()}, self.current_step)
+
+    def load_checkpoint(self, directory: str) -> None:
+        from agentrl.checkpoint import read_checkpoint
+
+        self.load_state_dict(read_checkpoint(directory)["trainer"])
 
     def save_pretrained(self, save_directory: str) -> None:
         """Write the policy (adapter under LoRA; model + tokenizer otherwise) atomically, refusing NaNs."""

@@ -33,9 +33,11 @@ from agentrl.models.value_head import AutoModelForCausalLMWithValueHead, create_
 from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams, sample_batch
 from agentrl.samples import SamplesLog
-from agentrl.trainers.common import (MetricsLog, TaskCycler, TokenBatch, build_batch, episodes_to_batch,
-                                     finite_or_raise, lm_logprobs, norm_gain_parameters, optimizer_groups,
-                                     policy_forward, position_ids, progress_bar)
+from agentrl.trainers.common import (MetricsLog, TokenBatch, build_batch, check_batch, episodes_to_batch,
+                                     finite_or_raise, grads_finite, lm_logprobs, load_trainer_state, logprob_mismatch,
+                                     norm_gain_parameters, optimizer_groups, policy_forward, position_ids,
+                                     progress_bar, resumed_cycler, resumed_metrics, trainer_state)
+from agentrl.trainers.sft import sft_loss
 
 
 @dataclass
@@ -102,6 +104,10 @@ class PPOConfig:
     missing_eos_penalty: float | None = None  # subtracted from the score of episodes cut by max_new_tokens
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"  # accelerate's mixed precision
     project_dir: str | None = None  # where trackers write (tensorboard logs)
+    ptx_coef: float = 0.0  # PPO-ptx (Ouyang et al. 2022, eq. 2): weight of the SFT loss on demonstrations, 0: off
+    ptx_data: str | None = None  # its demonstrations: a JSONL file (trainers/sft.py rows), or "env" in jobs
+    logprob_mismatch_threshold: float | None = 0.05  # error when the mean |recomputed - sampled| logprob at
+    # the rollout's weights exceeds this (None: only logged as rollout/logprob_mismatch_*)
 
     def __post_init__(self):
         if self.kl_penalty not in ("kl", "abs", "mse", "full"):
@@ -115,6 +121,8 @@ class PPOConfig:
             self.mini_batch_size = self.forward_batch_size
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.ptx_coef > 0 and not self.ptx_data:
+            raise ValueError("ptx_coef > 0 needs ptx_data: a demonstrations JSONL file, or 'env' in an agentrl job")
         backward = self.mini_batch_size * self.gradient_accumulation_steps
         if backward > self.batch_size and self.batch_size % self.mini_batch_size == 0:
             # Seed 000 asks for batch_size=1, mini_batch_size=1, gradient_accumulation_steps=4, which TRL
@@ -265,6 +273,9 @@ class PPOTrainer:
                        else FixedKLController(config.init_kl_coef))
         self.running = RunningMoments()
         self.current_step = 0
+        self.ptx = None  # PPO-ptx demonstrations (set_ptx_data)
+        if config.ptx_coef > 0 and config.ptx_data != "env":
+            self.set_ptx_data(config.ptx_data)
         self.metrics_log = MetricsLog(None, self.accelerator)
         self.samples_log = SamplesLog(None)  # a job sets SamplesLog(run_dir/"samples.jsonl", ...) to sample episodes
         self._sample_tensors: dict = {}  # the last update's per-token tensors, for samples_log
@@ -273,6 +284,15 @@ class PPOTrainer:
                                            init_kwargs=config.tracker_kwargs)
         # Dropout off everywhere, during rollouts and updates alike (Huang et al. 2024).
         self.model.eval()
+
+    def set_ptx_data(self, demonstrations, name: str | None = None) -> None:
+        """PPO-ptx: each update adds ptx_coef * the SFT loss on a batch (mini_batch_size) of these demonstrations
+        (a JSONL path or a list of rows, see trainers/sft.py)."""
+        from agentrl.trainers.sft import DemonstrationBatches, encode_demonstrations, read_demonstrations
+
+        examples, _, _ = encode_demonstrations(read_demonstrations(demonstrations, name), self.tokenizer)
+        self.ptx = DemonstrationBatches(examples, self.config.mini_batch_size, self.tokenizer.pad_token_id,
+                                        self.config.seed)
 
     # --- the classic TRL 0.11 API ----------------------------------------------------------------------
 
@@ -429,29 +449,32 @@ class PPOTrainer:
     def train(self, env_factory: Callable, tasks: list[dict], steps: int | None = None,
               sampling: SamplingParams | None = None, metrics_path: str | None = None,
               callback: Callable[[int, dict], None] | None = None, progress: bool = True,
-              score_hook: Callable[[list[Episode]], None] | None = None) -> list[dict]:
+              score_hook: Callable[[list[Episode]], None] | None = None, checkpointer=None) -> list[dict]:
         """Run `steps` PPO steps of `batch_size` episodes each on tasks drawn from `tasks`.
 
         env_factory: a class or callable returning a fresh environment (see agentrl.envs.base). Only the
         prompt the environment builds reaches the model; the task's answer stays with the environment.
+        checkpointer: an agentrl.checkpoint.Checkpointer (periodic checkpoints, signals, non-finite streaks).
+        After load_checkpoint, train() continues the task order and the metrics file of the checkpoint.
         """
-        steps = steps or self.config.steps
+        steps = self.config.steps if steps is None else steps
         sampling = sampling or SamplingParams(temperature=self.config.temperature)
         if abs(sampling.temperature - self.config.temperature) > 1e-9:
             raise ValueError(f"sampling temperature {sampling.temperature} != PPOConfig.temperature "
                              f"{self.config.temperature}; logprobs must be computed at the sampling temperature")
-        self.metrics_log = MetricsLog(metrics_path, self.accelerator) if metrics_path else self.metrics_log
-        cycler, history = TaskCycler(tasks, self.config.seed), []
+        self.metrics_log = resumed_metrics(self, metrics_path)
+        cycler, history = resumed_cycler(self, tasks, self.config.seed), []
         bar = progress_bar(steps, "PPO", progress)
-        for _ in range(steps):
+        for i in range(steps):
             batch_tasks = cycler.draw(self.config.batch_size)
             started = time.time()
             episodes = rollout(self.policy, self.tokenizer, env_factory, batch_tasks, sampling)
             if score_hook is not None:  # e.g. reward models adding to the environment's scores
                 score_hook(episodes)
             rollout_seconds = time.time() - started
-            stats = self._update(episodes_to_batch(episodes, self.tokenizer.pad_token_id,
-                                                   self.config.missing_eos_penalty))
+            batch = episodes_to_batch(episodes, self.tokenizer.pad_token_id, self.config.missing_eos_penalty)
+            check_batch(episodes, batch)
+            stats = self._update(batch)
             stats.update(episode_metrics(episodes))
             stats["time/rollout"] = rollout_seconds
             self.metrics_log.write(_scalars(stats), self.current_step)
@@ -459,6 +482,8 @@ class PPOTrainer:
             history.append(stats)
             if callback is not None:
                 callback(self.current_step, stats)
+            if checkpointer is not None:
+                checkpointer.after_step(self, self.current_step, stats, last=i == steps - 1)
             if bar is not None:
                 bar.set_postfix(score=f"{stats['ppo/mean_scores']:.2f}", acc=f"{stats['env/accuracy']:.2f}",
                                 kl=f"{stats['objective/kl']:.3f}")
@@ -499,11 +524,14 @@ class PPOTrainer:
 
     def _update(self, batch: TokenBatch) -> dict[str, float]:
         cfg, t0 = self.config, time.time()
+        if cfg.ptx_coef > 0 and self.ptx is None:
+            raise ValueError("ptx_data='env' needs trainer.set_ptx_data(demonstrations) (agentrl jobs call it)")
         self.model.eval()  # dropout off, whatever the caller did to the model in between
-        batch = TokenBatch(*(x.to(self.accelerator.device) for x in (batch.input_ids, batch.attention_mask,
-                                                                       batch.loss_mask, batch.scores)))
+        batch = batch.to(self.accelerator.device)
         mask = batch.loss_mask  # (B, T-1): 1 on sampled tokens only; prompt, tool output, padding are 0
         old_logprobs, values, ref_logprobs, kl = self._old_and_ref(batch)
+        mismatch = {} if batch.logprobs is None else logprob_mismatch(old_logprobs, batch.logprobs, mask,
+                                                                      cfg.logprob_mismatch_threshold)
         t_forward = time.time()
 
         # Per-token rewards: -beta * KL at every action token, plus each turn's score at its last token.
@@ -533,11 +561,20 @@ class PPOTrainer:
                     pg_loss, vf_term, mb_stats = self.loss(mb_old, mb_values, logits[:, :-1] / cfg.temperature, vpred,
                                                            logprobs, mb.loss_mask, mb_adv, mb_ret)
                     loss = pg_loss + vf_term - cfg.entropy_coef * mb_stats["policy/entropy"]
+                    if self.ptx is not None:  # PPO-ptx: keep what SFT taught (the LM loss on demonstrations)
+                        with self.accelerator.autocast():
+                            ptx_loss = sft_loss(self.policy, self.ptx.next())
+                        loss = loss + cfg.ptx_coef * ptx_loss
+                        mb_stats["loss/ptx"] = ptx_loss.detach()  # logged as ppo/loss/ptx
                     if mb_stats["policy/skipped"]:
                         loss, skipped = loss * 0.0, skipped + 1  # TRL 0.11: the mini-batch is skipped
-                    if not torch.isfinite(loss):
-                        loss, nonfinite = torch.nan_to_num(loss) * 0.0, nonfinite + 1
-                    self.accelerator.backward(loss)
+                    if torch.isfinite(loss):
+                        self.accelerator.backward(loss)
+                    else:  # a non-finite loss is never backpropagated: its update is skipped
+                        nonfinite += 1
+                    if self.accelerator.sync_gradients and not grads_finite(self.model):
+                        nonfinite += 1
+                        self.optimizer.zero_grad(set_to_none=True)  # no gradient left: the step changes nothing
                     if self.accelerator.sync_gradients and cfg.max_grad_norm is not None:
                         self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
                     self.optimizer.step()
@@ -567,12 +604,13 @@ class PPOTrainer:
         stats.update({
             "ppo/learning_rate": self.optimizer.param_groups[0]["lr"],
             "ppo/skipped_minibatches": float(skipped),
-            "ppo/nonfinite_losses": float(nonfinite),
+            "train/skipped_nonfinite": float(nonfinite),
             "time/ppo/forward_pass": t_forward - t0,
             "time/ppo/compute_rewards": t_rewards - t_forward,
             "time/ppo/compute_advantages": t_adv - t_rewards,
             "time/ppo/optimize_step": t_opt - t_adv,
             "time/ppo/calc_stats": time.time() - t_opt,
+            **mismatch,
         })
         self.kl_ctl.update(stats["objective/kl"], cfg.batch_size * cfg.world_size)
         stats["time/ppo/total"] = time.time() - t0
@@ -752,6 +790,30 @@ class PPOTrainer:
             return stats
         return {k: self.accelerator.reduce(v.to(self.accelerator.device), "mean") if isinstance(v, torch.Tensor)
                 else v for k, v in stats.items()}
+
+    # --- checkpoints (agentrl.checkpoint) ---------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs to continue exactly (weights, optimizer, KL controller, RNGs, ...)."""
+        return trainer_state(self, kl_ctl=vars(self.kl_ctl), running=vars(self.running),
+                             lr_scheduler=self.lr_scheduler.state_dict() if self.lr_scheduler else None)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_trainer_state(self, state)
+        vars(self.kl_ctl).update(state["kl_ctl"])
+        vars(self.running).update(state["running"])
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+    def save_checkpoint(self, directory: str) -> None:
+        from agentrl.checkpoint import write_checkpoint
+
+        write_checkpoint(directory, {"trainer": self.state_dict()}, self.current_step)
+
+    def load_checkpoint(self, directory: str) -> None:
+        from agentrl.checkpoint import read_checkpoint
+
+        self.load_state_dict(read_checkpoint(directory)["trainer"])
 
     def save_pretrained(self, save_directory: str) -> None:
         """Write the policy (adapter under LoRA) and the value head, atomically, refusing non-finite weights."""

@@ -18,6 +18,7 @@ from torch import nn
 
 from agentrl.algos.dpo import bradley_terry_loss
 from agentrl.checkpoint import save_atomically
+from agentrl.errors import UserError
 from agentrl.preferences import PreferenceExample, load_preferences
 from agentrl.trainers.common import MetricsLog, build_batch, finite_or_raise, position_ids, progress_bar
 
@@ -86,7 +87,7 @@ def load_reward_model(path: str) -> tuple[RewardModel, object]:
     path = Path(path)
     meta_path = path / META_FILE
     if not meta_path.exists():
-        raise FileNotFoundError(f"{path} is not a reward model directory (no {META_FILE})")
+        raise UserError(f"{path}: not a reward model directory (no {META_FILE})")
     meta = json.loads(meta_path.read_text())
     tokenizer = AutoTokenizer.from_pretrained(path)
     seq_cls = meta.get("kind") == "sequence-classification"

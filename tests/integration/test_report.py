@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from agentrl.cli import main
-from agentrl.samples import episode_record, read_samples, token_pieces
+from agentrl.samples import episode_record, read_jsonl, token_pieces
 
 TINY = ["ppo.batch_size=8", "ppo.mini_batch_size=4", "ppo.ppo_epochs=1", "env.train_tasks=64", "env.eval_tasks=8",
         "rollout.max_new_tokens=16", "progress=false"]
@@ -47,7 +47,7 @@ def test_samples_hold_aligned_token_level_episodes(ppo_run, tiny_base):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_base)
-    rows = read_samples(ppo_run / "samples.jsonl")
+    rows = read_jsonl(ppo_run / "samples.jsonl")
     assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2]  # step 1 and every sample_every=2 steps
     for r in rows:
         n = len(r["token_ids"])
@@ -174,7 +174,7 @@ def test_wandb_offline_run_reads_back(tiny_base, tmp_path, monkeypatch):
     assert [h["_step"] for h in history] == [1, 2]
     assert [h["grpo/mean_scores"] for h in history] == pytest.approx([m["grpo/mean_scores"] for m in metrics])
     # GRPO samples: one advantage per episode, on every policy token
-    for row in read_samples(out / "samples.jsonl"):
+    for row in read_jsonl(out / "samples.jsonl"):
         advs = {a for a, role in zip(row["advantages"], row["roles"]) if role == "policy"}
         assert len(advs) == 1 and None not in advs
 
@@ -184,21 +184,21 @@ def test_dpo_pairs_and_compare_samples_render_side_by_side(tiny_base, tmp_path):
     assert main(["dpo", "--config", "dpo", f"model.base={tiny_base}", f"out_dir={out}", "iterative.rounds=1",
                  "iterative.tasks_per_round=32", "env.train_tasks=64", "env.eval_tasks=4", "rollout.max_new_tokens=16",
                  "progress=false", "dpo.per_device_train_batch_size=4", "dpo.num_train_epochs=1"]) == 0
-    pairs = read_samples(out / "samples.jsonl")
+    pairs = read_jsonl(out / "samples.jsonl")
     assert pairs and all(p["kind"] == "pair" and p["chosen"]["score"] > p["rejected"]["score"] for p in pairs)
     cmp = tmp_path / "cmp"
     assert main(["compare", "--a", tiny_base, "--b", f"{tiny_base}:{out / 'adapter'}", "--tasks", "3",
                  "--max-new-tokens", "12", "--out", str(cmp / "compare.json")]) == 0
-    ab = read_samples(cmp / "samples.jsonl")
+    ab = read_jsonl(cmp / "samples.jsonl")
     assert len(ab) == 3 and all(r["kind"] == "compare" and r["a"]["question"] == r["b"]["question"] for r in ab)
     for run in (out, cmp):
         assert main(["report", str(run)]) == 0
         page = Page()
         page.feed((run / "report.html").read_text())
-        assert len([a for t, a in page.tags if t == "div" and a.get("class") == "pair"]) == len(read_samples(
+        assert len([a for t, a in page.tags if t == "div" and a.get("class") == "pair"]) == len(read_jsonl(
             run / "samples.jsonl"))
         assert len([a for t, a in page.tags if t == "div" and a.get("class") == "side"]) == 2 * len(
-            read_samples(run / "samples.jsonl"))
+            read_jsonl(run / "samples.jsonl"))
 
 
 def test_compare_two_runs_overlays_their_curves(ppo_run, tmp_path, capsys):
