@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -88,7 +89,9 @@ def run_job(config: JobConfig) -> dict:
         model = add_lora(model, config.model)
         trackers_in_run_dir(algo_config, out)
         if config.algo == "ppo":
-            trainer = PPOTrainer(config=config.ppo, model=model, tokenizer=tokenizer)
+            with warnings.catch_warnings():  # TRL's "No dataset is provided" is for step() users; train() needs none
+                warnings.filterwarnings("ignore", message="No dataset is provided")
+                trainer = PPOTrainer(config=config.ppo, model=model, tokenizer=tokenizer)
             if config.ppo.ptx_coef > 0 and config.ppo.ptx_data == "env":  # PPO-ptx on the environment's demonstrations
                 if not config.env.demonstrations:
                     raise ConfigError("ppo.ptx_data: 'env' needs env.demonstrations (module:function(task, rng))")
