@@ -41,8 +41,9 @@ PANELS = [
     ("Truncation and format errors", [("truncated", ["env/truncation_rate"]),
                                       ("format errors", ["env/format_error_rate"]),
                                       ("tool failures", ["tools/failure_rate"])]),
-    ("Logprob mismatch, sampler vs trainer", [("mean |difference| per token", ["logprob_mismatch", "objective/logprob_mismatch",
-                                                  "rollout/logprob_mismatch"])]),
+    ("Logprob mismatch, sampler vs trainer", [("mean |difference| per token", ["rollout/logprob_mismatch_mean",
+                                                                                "logprob_mismatch"]),
+                                              ("max |difference|", ["rollout/logprob_mismatch_max"])]),
     ("DPO loss", [("loss", ["loss"])]),
     ("DPO reward accuracy and margin", [("accuracy", ["rewards/accuracies"]), ("margin", ["rewards/margins"])]),
 ]
