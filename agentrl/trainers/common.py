@@ -126,6 +126,28 @@ def grads_finite(model: torch.nn.Module) -> bool:
     return not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
 
+def guarded_step(accelerator, model: torch.nn.Module, optimizer, loss: torch.Tensor,
+                 max_grad_norm: float | None) -> int:
+    """Backward, clip and optimizer step that never applies a non-finite update (the caller zeroes the gradients).
+
+    A non-finite loss is not backpropagated; non-finite gradients (checked where accelerate syncs them) are
+    dropped, so that step changes nothing. Returns how many non-finite events it met (0-2), for
+    `train/skipped_nonfinite`.
+    """
+    nonfinite = 0
+    if torch.isfinite(loss):
+        accelerator.backward(loss)
+    else:
+        nonfinite += 1
+    if accelerator.sync_gradients and not grads_finite(model):
+        nonfinite += 1
+        optimizer.zero_grad(set_to_none=True)  # no gradient left: the step changes nothing
+    if accelerator.sync_gradients and max_grad_norm is not None:
+        accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    return nonfinite
+
+
 def trainer_state(trainer, **extra) -> dict:
     """The state every trainer checkpoints: trainable weights, optimizer, step, RNGs, task position, log size."""
     from agentrl.checkpoint import file_size, rng_state, trainable_state

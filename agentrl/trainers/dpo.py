@@ -25,7 +25,7 @@ from accelerate.utils import set_seed
 
 from agentrl.algos.dpo import dpo_loss
 from agentrl.preferences import PreferenceExample, load_preferences
-from agentrl.trainers.common import (MetricsLog, build_batch, finite_or_raise, grads_finite, lm_logprobs,
+from agentrl.trainers.common import (MetricsLog, build_batch, finite_or_raise, guarded_step, lm_logprobs,
                                      load_trainer_state, norm_gain_parameters, optimizer_groups, progress_bar,
                                      resumed_metrics, trainer_state)
 
@@ -255,16 +255,8 @@ class DPOTrainer:
                         nll = (-pol_c / counts).mean()
                         loss = loss + cfg.rpo_alpha * nll
                         acc["nll/chosen"].append(nll.item())
-                    if torch.isfinite(loss):
-                        self.accelerator.backward(loss)
-                    else:  # a non-finite loss is never backpropagated: its update is skipped
-                        skipped += 1
-                    if self.accelerator.sync_gradients and not grads_finite(self.model):
-                        skipped += 1
-                        self.optimizer.zero_grad(set_to_none=True)  # no gradient left: the step changes nothing
-                    if self.accelerator.sync_gradients and cfg.max_grad_norm:
-                        self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-                    self.optimizer.step()
+                    skipped += guarded_step(self.accelerator, self.model, self.optimizer, loss,
+                                            cfg.max_grad_norm or None)
                     self.optimizer.zero_grad(set_to_none=True)
                 acc["loss"].append(loss.item())
                 acc["rewards/chosen"].append(rc.mean().item())

@@ -25,7 +25,7 @@ from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams
 from agentrl.samples import SamplesLog
 from agentrl.trainers.common import (MetricsLog, TokenBatch, check_batch, episodes_to_batch, finite_or_raise,
-                                     grads_finite, lm_logprobs, load_trainer_state, logprob_mismatch,
+                                     guarded_step, lm_logprobs, load_trainer_state, logprob_mismatch,
                                      norm_gain_parameters, optimizer_groups, progress_bar, resumed_cycler,
                                      resumed_metrics, trainer_state)
 
@@ -212,16 +212,7 @@ class GRPOTrainer:
                     loss, st = grpo_loss(logprobs, mb_old, advantages[idx], mb.loss_mask, cfg.epsilon,
                                          cfg.epsilon_high, cfg.beta, None if ref is None else ref[idx, :w],
                                          cfg.loss_aggregation)
-                    if torch.isfinite(loss):
-                        self.accelerator.backward(loss)
-                    else:  # a non-finite loss is never backpropagated: its update is skipped
-                        nonfinite += 1
-                    if self.accelerator.sync_gradients and not grads_finite(self.model):
-                        nonfinite += 1
-                        self.optimizer.zero_grad(set_to_none=True)  # no gradient left: the step changes nothing
-                    if self.accelerator.sync_gradients and cfg.max_grad_norm is not None:
-                        self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-                    self.optimizer.step()
+                    nonfinite += guarded_step(self.accelerator, self.model, self.optimizer, loss, cfg.max_grad_norm)
                     self.optimizer.zero_grad(set_to_none=True)
                 with torch.no_grad():
                     entropy = masked_mean(entropy_from_logits(logits[:, :-1].float() / cfg.temperature), mb.loss_mask)

@@ -34,7 +34,7 @@ from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams, sample_batch
 from agentrl.samples import SamplesLog
 from agentrl.trainers.common import (MetricsLog, TokenBatch, build_batch, check_batch, episodes_to_batch,
-                                     finite_or_raise, grads_finite, lm_logprobs, load_trainer_state, logprob_mismatch,
+                                     finite_or_raise, guarded_step, lm_logprobs, load_trainer_state, logprob_mismatch,
                                      norm_gain_parameters, optimizer_groups, policy_forward, position_ids,
                                      progress_bar, resumed_cycler, resumed_metrics, trainer_state)
 from agentrl.trainers.sft import sft_loss
@@ -568,16 +568,7 @@ class PPOTrainer:
                         mb_stats["loss/ptx"] = ptx_loss.detach()  # logged as ppo/loss/ptx
                     if mb_stats["policy/skipped"]:
                         loss, skipped = loss * 0.0, skipped + 1  # TRL 0.11: the mini-batch is skipped
-                    if torch.isfinite(loss):
-                        self.accelerator.backward(loss)
-                    else:  # a non-finite loss is never backpropagated: its update is skipped
-                        nonfinite += 1
-                    if self.accelerator.sync_gradients and not grads_finite(self.model):
-                        nonfinite += 1
-                        self.optimizer.zero_grad(set_to_none=True)  # no gradient left: the step changes nothing
-                    if self.accelerator.sync_gradients and cfg.max_grad_norm is not None:
-                        self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-                    self.optimizer.step()
+                    nonfinite += guarded_step(self.accelerator, self.model, self.optimizer, loss, cfg.max_grad_norm)
                     # No arguments: the caller's optimizer decides (set_to_none or not); accelerate handles
                     # accumulation (https://huggingface.co/docs/accelerate/usage_guides/gradient_accumulation).
                     self.optimizer.zero_grad()
