@@ -66,19 +66,8 @@ def parse_hermes_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
         except json.JSONDecodeError as e:
             errors.append(f"tool call is not valid JSON ({e.msg})")
             continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            errors.append("tool call needs a string 'name'")
-            continue
-        arguments = obj.get("arguments", {})
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass
-        if not isinstance(arguments, dict):
-            errors.append(f"arguments of {obj['name']!r} must be an object")
-            continue
-        calls.append(ToolCall(obj["name"], arguments))
+        parsed = _call_from_object(obj, "arguments")
+        (calls if isinstance(parsed, ToolCall) else errors).append(parsed)
     return calls, errors
 
 
