@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from agentrl.config import ConfigError, to_dict
 from agentrl.envs.base import load_object, load_tasks, make_env
@@ -29,6 +30,13 @@ class ModelSection:
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                 "gate_proj", "up_proj", "down_proj"])
     train_norms: bool = True  # with LoRA, also train the normalisation gains (peft modules_to_save; see add_lora)
+    # --- how a model directory is loaded (model_loading_kwargs); mixed precision is ppo/grpo.mixed_precision ---
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the weights' dtype (bfloat16 halves memory)
+    device_map: str | None = None  # from_pretrained's device_map ("auto", "cpu", "cuda:0"); None: accelerate places it
+    attn_implementation: str | None = None  # "eager", "sdpa", "flash_attention_2", ...; None: transformers' choice
+    gradient_checkpointing: bool = False  # recompute activations in the backward: less memory, more compute
+    load_in_4bit: bool = False  # QLoRA: NF4 base weights through bitsandbytes; needs a CUDA GPU, model.lora and
+    # `pip install agentrl[quantization]`
 
 
 @dataclass
@@ -47,6 +55,14 @@ class RolloutSection:
     max_new_tokens: int = 48  # per model turn
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
+    backend: Literal["hf", "vllm"] = "hf"  # who samples the training rollouts: agentrl's sampler over transformers,
+    # or a vLLM engine in this process that gets the policy's merged weights after each update (rollout/vllm.py;
+    # `pip install agentrl[vllm]`). Evaluation always samples with hf.
+    vllm_gpu_memory_utilization: float = 0.3  # vllm: share of GPU memory for vLLM (weights + KV cache); the
+    # rest stays with training
+    vllm_max_model_len: int | None = None  # vllm: longest prompt + episode in tokens (None: the model's maximum)
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # vllm: its weights' dtype (auto:
+    # model.dtype, so its logprobs match the trainer's as closely as the kernels allow)
 
 
 def resolve_config_path(name: str) -> Path:
@@ -175,14 +191,54 @@ class Run:
         return training_tasks(EnvSection(tasks=spec, train_tasks=n), seed, self.eval_tasks)
 
 
-def load_base(base: str):
-    """(model, tokenizer) of model.base; an error naming the key when it does not load."""
+def model_loading_kwargs(model_cfg: ModelSection | None) -> dict:
+    """from_pretrained keyword arguments of the model.* loading options; an error naming the key for a setting
+    this machine cannot honour (4-bit without a CUDA GPU or without bitsandbytes, 4-bit without LoRA)."""
+    import os
+
+    import torch
+
+    if model_cfg is None:
+        return {}
+    kwargs: dict = {"dtype": getattr(torch, model_cfg.dtype)}
+    if model_cfg.device_map is not None:
+        kwargs["device_map"] = model_cfg.device_map
+    if model_cfg.attn_implementation is not None:
+        kwargs["attn_implementation"] = model_cfg.attn_implementation
+    if model_cfg.load_in_4bit:
+        if not model_cfg.lora:
+            raise ConfigError("model.load_in_4bit: 4-bit weights cannot be trained directly; set model.lora=true (QLoRA)")
+        if not torch.cuda.is_available():
+            raise ConfigError("model.load_in_4bit: needs a CUDA GPU (bitsandbytes' 4-bit kernels) and this machine "
+                              "has none; set model.load_in_4bit=false (model.dtype=bfloat16 also halves memory)")
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise ConfigError("model.load_in_4bit: needs bitsandbytes: pip install 'agentrl[quantization]'") from None
+        from transformers import BitsAndBytesConfig
+
+        # QLoRA's recipe (Dettmers et al. 2023, arXiv:2305.14314): NF4, double quantization, 16-bit compute.
+        compute = torch.bfloat16 if model_cfg.dtype == "float32" else kwargs["dtype"]
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                           bnb_4bit_use_double_quant=True,
+                                                           bnb_4bit_compute_dtype=compute)
+        # Quantized weights cannot be moved after loading: place them on this process's GPU now.
+        kwargs.setdefault("device_map", {"": int(os.environ.get("LOCAL_RANK", 0))})
+    return kwargs
+
+
+def load_base(base: str, model_cfg: ModelSection | None = None):
+    """(model, tokenizer) of model.base, loaded with the model.* loading options; an error naming the key when
+    it does not load."""
     from agentrl.jobs.evaluate import load_policy
 
+    kwargs = model_loading_kwargs(model_cfg)
     try:
-        return load_policy(base)
+        return load_policy(base, **kwargs)
     except UserError as e:
-        raise ConfigError(f"model.base: {e}") from None
+        key = "model.attn_implementation" if "attn" in str(e) or "attention" in str(e) else "model.device_map" \
+            if "device" in str(e) and "device_map" in kwargs else "model.base"
+        raise ConfigError(f"{key}: {e}") from None
 
 
 def prepare_run(model_cfg: ModelSection, env_cfg: EnvSection, rollout_cfg: RolloutSection, eval_seed: int,
@@ -192,7 +248,7 @@ def prepare_run(model_cfg: ModelSection, env_cfg: EnvSection, rollout_cfg: Rollo
     base_dir = model_cfg.base
     if base_dir == "embedded":
         base_dir = embedded_model(model_cfg, env_cfg, eval_tasks, sft, renders_chat(env_factory()), progress)
-    model, tokenizer = load_base(base_dir)
+    model, tokenizer = load_base(base_dir, model_cfg)
     return Run(base_dir, model, tokenizer, env_factory, eval_tasks, rollout_cfg.max_new_tokens, eval_seed)
 
 
@@ -205,6 +261,8 @@ def norm_module_names(model) -> list[str]:
 def add_lora(model, model_cfg: ModelSection):
     """A LoRA adapter on `target_modules`; with `train_norms`, the norm gains train too (a few K parameters).
 
+    First the model.* training options: k-bit preparation (load_in_4bit) and gradient checkpointing.
+
     Why the norms: the final RMSNorm fixes the norm of the hidden state that meets the (tied) LM head, so
     LoRA on the linear layers cannot scale the logits; it can only turn the hidden state. Sharpening a
     copy from p=0.9 to p=0.99 at temperature 1 needs exactly that scale (docs/sampled-accuracy.md: with
@@ -213,6 +271,15 @@ def add_lora(model, model_cfg: ModelSection):
     """
     from peft import LoraConfig, get_peft_model
 
+    if model_cfg.load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        # Norms and the LM head to float32, input grads on; checkpointing as configured (non-reentrant, as
+        # peft and transformers recommend with adapters).
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=model_cfg.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif model_cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     if not model_cfg.lora:
         return model
     extra = norm_module_names(model) if model_cfg.train_norms else None
@@ -223,6 +290,19 @@ def add_lora(model, model_cfg: ModelSection):
     # peft keeps target_modules as a set and saves it in hash order; sorted, equal runs save equal files.
     model.peft_config["default"].target_modules = sorted(model.peft_config["default"].target_modules)
     return model
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Activation checkpointing on every decoder layer, non-reentrant (needed with frozen inputs under LoRA;
+    transformers then also makes the embeddings' output require grad). The trainers keep checkpointed layers
+    in training mode (trainers/common.eval_mode): transformers only checkpoints a layer that is training."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"model.gradient_checkpointing: {type(model).__name__} does not support it")
+    # transformers 5.24 renamed gradient_checkpointing_enable to activation_checkpointing_enable
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def warn_ineffective(config, algo: str) -> None:

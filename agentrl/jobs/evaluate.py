@@ -31,14 +31,15 @@ def evaluate(model, tokenizer, env_factory: Callable, tasks: list[dict], greedy:
     return metrics
 
 
-def load_policy(model_dir: str, adapter_dir: str | None = None):
-    """(model, tokenizer) from a saved base model and, optionally, a PEFT adapter on top of it."""
+def load_policy(model_dir: str, adapter_dir: str | None = None, **load_kwargs):
+    """(model, tokenizer) from a saved base model and, optionally, a PEFT adapter on top of it.
+    load_kwargs go to from_pretrained (dtype, device_map, attn_implementation, quantization_config)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir)
-    except (OSError, ValueError) as e:  # no such directory, or no model / tokenizer files in it
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **load_kwargs)
+    except (OSError, ValueError, ImportError) as e:  # no such directory, or no model / tokenizer files in it
         raise UserError(f"{model_dir}: cannot load a model and its tokenizer ({str(e).splitlines()[0]})") from None
     if adapter_dir:
         from peft import PeftModel

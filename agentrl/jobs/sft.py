@@ -55,7 +55,7 @@ def run_sft_job(config: JobConfig) -> dict:
         trained = {k: meta[k] for k in ("final_loss", "demonstrations", "skipped_rows", "truncated_rows",
                                         "demo_exact_match", "train_seconds")}
     else:
-        model, tokenizer = load_base(config.model.base)
+        model, tokenizer = load_base(config.model.base, config.model)
         torch.manual_seed(sft.seed)
         trainer = SFTTrainer(add_lora(model, config.model), sft, data, tokenizer, dataset_name=name)
         train_started = time.time()

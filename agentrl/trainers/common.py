@@ -120,6 +120,18 @@ def logprob_mismatch(recomputed: torch.Tensor, sampled: torch.Tensor, mask: torc
     return stats
 
 
+def eval_mode(model: torch.nn.Module) -> torch.nn.Module:
+    """model.eval() (dropout off, as the trainers want it), except that layers with gradient checkpointing
+    enabled keep their own `training` flag on: transformers checkpoints a layer only while it is training,
+    so plain eval() would silently turn checkpointing off. Only the flag of the layer itself is set, not its
+    children's, so dropout inside stays off; without gradients (rollouts, no_grad forwards) nothing changes."""
+    model.eval()
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) is True and hasattr(module, "_gradient_checkpointing_func"):
+            module.training = True
+    return model
+
+
 def grads_finite(model: torch.nn.Module) -> bool:
     """True when every gradient is finite (one device sync)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]

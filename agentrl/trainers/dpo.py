@@ -28,6 +28,7 @@ from agentrl.preferences import PreferenceExample, load_preferences
 from agentrl.trainers.common import (MetricsLog, build_batch, finite_or_raise, guarded_step, lm_logprobs,
                                      load_trainer_state, norm_gain_parameters, optimizer_groups, progress_bar,
                                      resumed_metrics, trainer_state)
+from agentrl.trainers.common import eval_mode
 
 
 @dataclass
@@ -232,7 +233,7 @@ class DPOTrainer:
         if bar is not None:
             bar.update(self.current_step)
         # Dropout off: the reference is the same network, and DPO's implicit reward compares the two.
-        self.model.eval()
+        eval_mode(self.model)
         started, acc = time.time(), self.acc
         while self.current_step < total:
             skipped = 0

@@ -28,6 +28,7 @@ from agentrl.trainers.common import (MetricsLog, TokenBatch, check_batch, episod
                                      guarded_step, lm_logprobs, load_trainer_state, logprob_mismatch,
                                      norm_gain_parameters, optimizer_groups, progress_bar, resumed_cycler,
                                      resumed_metrics, trainer_state)
+from agentrl.trainers.common import eval_mode
 
 
 @dataclass
@@ -104,7 +105,7 @@ class GRPOTrainer:
             self.accelerator.init_trackers(config.tracker_project_name, config={
                 k: v for k, v in asdict(config).items() if isinstance(v, (int, float, str, bool))},
                 init_kwargs=config.tracker_kwargs)
-        self.model.eval()  # dropout off during rollouts and updates
+        eval_mode(self.model)  # dropout off during rollouts and updates
 
     @property
     def policy(self):
@@ -167,7 +168,7 @@ class GRPOTrainer:
 
     def _update(self, episodes: list[Episode]) -> dict[str, float]:
         cfg, t0 = self.config, time.time()
-        self.model.eval()
+        eval_mode(self.model)
         scores = torch.tensor([ep.score for ep in episodes])
         if cfg.missing_eos_penalty is not None:
             scores = scores - cfg.missing_eos_penalty * torch.tensor([float(ep.truncated) for ep in episodes])

@@ -37,6 +37,7 @@ from agentrl.trainers.common import (MetricsLog, TokenBatch, build_batch, check_
                                      finite_or_raise, guarded_step, lm_logprobs, load_trainer_state, logprob_mismatch,
                                      norm_gain_parameters, optimizer_groups, policy_forward, position_ids,
                                      progress_bar, resumed_cycler, resumed_metrics, trainer_state)
+from agentrl.trainers.common import eval_mode
 from agentrl.trainers.sft import sft_loss
 
 
@@ -283,7 +284,7 @@ class PPOTrainer:
             self.accelerator.init_trackers(config.tracker_project_name, config=_flat_config(config),
                                            init_kwargs=config.tracker_kwargs)
         # Dropout off everywhere, during rollouts and updates alike (Huang et al. 2024).
-        self.model.eval()
+        eval_mode(self.model)
 
     def set_ptx_data(self, demonstrations, name: str | None = None) -> None:
         """PPO-ptx: each update adds ptx_coef * the SFT loss on a batch (mini_batch_size) of these demonstrations
@@ -526,7 +527,7 @@ class PPOTrainer:
         cfg, t0 = self.config, time.time()
         if cfg.ptx_coef > 0 and self.ptx is None:
             raise ValueError("ptx_data='env' needs trainer.set_ptx_data(demonstrations) (agentrl jobs call it)")
-        self.model.eval()  # dropout off, whatever the caller did to the model in between
+        eval_mode(self.model)  # dropout off, whatever the caller did to the model in between
         batch = batch.to(self.accelerator.device)
         mask = batch.loss_mask  # (B, T-1): 1 on sampled tokens only; prompt, tool output, padding are 0
         old_logprobs, values, ref_logprobs, kl = self._old_and_ref(batch)
