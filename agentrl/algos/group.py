@@ -51,11 +51,13 @@ def zero_variance_fraction(scores: torch.Tensor, group_size: int) -> float:
 
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
-              ref_logprobs: torch.Tensor | None = None, aggregation: str = "token_mean"):
+              ref_logprobs: torch.Tensor | None = None, aggregation: str = "token_mean",
+              tis_weights: torch.Tensor | None = None):
     """Clipped ratio objective with per-sequence advantages broadcast to every completion token.
 
     logprobs, old_logprobs, mask, ref_logprobs: (B, T); advantages: (B,).
-    per-token loss = -min(r A, clip(r, 1-eps, 1+eps_high) A) + beta * k3(ref, logp).
+    per-token loss = -min(r A, clip(r, 1-eps, 1+eps_high) A) * w + beta * k3(ref, logp), w = `tis_weights`
+    (B, T) when given (truncated importance sampling, algos/losses.tis_weights), else 1.
     aggregation "token_mean": mean over all tokens of the batch (long answers weigh more, DAPO's choice);
     "sequence_mean": mean over each sequence's tokens, then over sequences (the original GRPO).
     Returns (loss, stats) with stats `clipfrac`, `kl` (mean k3, 0 when beta is 0), `ratio`.
@@ -67,6 +69,8 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     adv = advantages[:, None]
     unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv
     per_token = -torch.min(unclipped, clipped)
+    if tis_weights is not None:
+        per_token = per_token * tis_weights
     kl = torch.zeros_like(per_token)
     if beta:
         if ref_logprobs is None:

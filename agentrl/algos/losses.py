@@ -13,10 +13,12 @@ def ppo_policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     cliprange: float = 0.2,
+    tis_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy loss. All inputs (B, T); mask 1 on action tokens.
 
-    ratio = exp(logp - old_logp); loss = masked_mean(max(-A * ratio, -A * clip(ratio, 1-eps, 1+eps))).
+    ratio = exp(logp - old_logp); loss = masked_mean(max(-A * ratio, -A * clip(ratio, 1-eps, 1+eps))), each
+    token's term times `tis_weights` when given (truncated importance sampling, see `tis_weights`).
     Returns (loss, stats) with stats `ratio` (mean), `clipfrac`, `approxkl` (0.5 E[(logp-old)^2], TRL's),
     `policykl` (E[old - logp]) and `k3kl` ((r-1) - log r, non-negative).
     """
@@ -24,7 +26,10 @@ def ppo_policy_loss(
     ratio = torch.exp(log_ratio)
     pg_losses = -advantages * ratio
     pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.max(pg_losses, pg_losses_clipped), mask)
+    per_token = torch.max(pg_losses, pg_losses_clipped)
+    if tis_weights is not None:
+        per_token = per_token * tis_weights
+    loss = masked_mean(per_token, mask)
     with torch.no_grad():
         stats = {
             "ratio": masked_mean(ratio, mask),
@@ -61,3 +66,19 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Per-position entropy of the categorical distribution. logits: (B, T, V) -> (B, T)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+def tis_weights(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor,
+                clip: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Truncated importance sampling weights for a sampler that is not the trainer (a vLLM engine).
+
+    w = min(pi_trainer(y) / pi_sampler(y), C) per token, detached: the policy-gradient term of each token is
+    multiplied by w, correcting for the sampler's numerics differing from the trainer's (Yao et al. 2025, "Your
+    Efficient RL Framework Secretly Brings You Off-Policy RL Training", https://fengyao.notion.site/off-policy-rl).
+    trainer_logprobs: the trainer's at the rollout's weights; sampler_logprobs: the sampler's; all (B, T).
+    Returns (weights (B, T), stats `weight_mean` and `clipfrac`, the share of tokens truncated at C).
+    """
+    ratio = torch.exp(trainer_logprobs.detach().float() - sampler_logprobs.float())
+    weights = ratio.clamp(max=clip)
+    stats = {"weight_mean": masked_mean(weights, mask), "clipfrac": masked_mean((ratio > clip).float(), mask)}
+    return weights, stats

@@ -63,6 +63,7 @@ class RolloutSection:
     vllm_max_model_len: int | None = None  # vllm: longest prompt + episode in tokens (None: the model's maximum)
     vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # vllm: its weights' dtype (auto:
     # model.dtype, so its logprobs match the trainer's as closely as the kernels allow)
+    vllm_enforce_eager: bool = False  # vllm: no torch.compile / CUDA graphs (starts much faster, samples slower)
 
 
 def resolve_config_path(name: str) -> Path:
@@ -313,6 +314,8 @@ def warn_ineffective(config, algo: str) -> None:
     def warn(key: str, why: str) -> None:
         warnings.warn(f"config {key}: {why}", UserWarning, stacklevel=3)
 
+    if algo not in ("ppo", "grpo") and config.rollout.backend != "hf":
+        warn("rollout.backend", f"={config.rollout.backend} only applies to PPO and GRPO; {algo} samples with hf")
     if config.model.lora and config.model.lora_dropout > 0:
         warn("model.lora_dropout", "has no effect: the trainers keep the model in eval mode (dropout off)")
     if algo in ("ppo", "grpo"):

@@ -102,6 +102,10 @@ def run_job(config: JobConfig) -> dict:
         if state is not None:
             trainer.load_state_dict(state["trainer"])
             checkpointer.restore(state)
+        vllm_startup = None
+        if config.rollout.backend == "vllm":
+            trainer.rollout_backend = vllm_rollout(config, run.base_dir, algo_config.seed)
+            vllm_startup = round(trainer.rollout_backend.startup_seconds, 1)
         trainer.samples_log = SamplesLog(out / "samples.jsonl", tokenizer, config.sample_every, config.samples_per_step,
                                          trainer.accelerator, source=config.algo,
                                          resume_bytes=state["trainer"]["samples_bytes"] if state else None)
@@ -135,8 +139,23 @@ def run_job(config: JobConfig) -> dict:
         "wall_seconds": round(time.time() - started, 1),
         "base_model_dir": str(run.base_dir), "adapter_dir": str(adapter_dir), "config": summary_config(config),
     }
+    if vllm_startup is not None:
+        summary["vllm_startup_seconds"] = vllm_startup
     write_json(out / "summary.json", summary)
     return summary
+
+
+def vllm_rollout(config: JobConfig, base_dir: str, seed: int):
+    """The colocated vLLM engine of rollout.backend=vllm, on the base model directory (weights synced each step)."""
+    from agentrl.rollout.vllm_backend import VLLMRollout
+
+    if config.model.load_in_4bit:
+        raise ConfigError("rollout.backend: vllm gets merged full-precision weights each step; it does not work with "
+                          "model.load_in_4bit (use rollout.backend=hf, or model.dtype=bfloat16)")
+    rollout = config.rollout
+    dtype = config.model.dtype if rollout.vllm_dtype == "auto" else rollout.vllm_dtype
+    return VLLMRollout(base_dir, dtype, rollout.vllm_gpu_memory_utilization, rollout.vllm_max_model_len, seed,
+                       rollout.vllm_enforce_eager)
 
 
 def load_job(path: str | None, overrides: list[str] | None = None) -> JobConfig:

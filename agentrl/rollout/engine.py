@@ -11,12 +11,13 @@ turns are never re-rendered (chat environments hand over only the template's tex
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
 
 from agentrl.envs.base import Environment
-from agentrl.rollout.sampling import SamplingParams, sample_batch
+from agentrl.rollout.sampling import Sample, SamplingParams, sample_batch
 
 
 @dataclass
@@ -60,15 +61,20 @@ def rollout(
     params: SamplingParams,
     batch_size: int = 256,
     generator: torch.Generator | None = None,
+    sampler: Callable[..., list[Sample]] | None = None,
 ) -> list[Episode]:
-    """Run one episode per task, all tasks batched turn by turn. Returns episodes in task order."""
+    """Run one episode per task, all tasks batched turn by turn. Returns episodes in task order.
+
+    sampler: samples one turn of every live episode, with sample_batch's arguments after `model` (None:
+    sample_batch on `model`; rollout/vllm_backend.py's VLLMRollout.sample for the vLLM backend)."""
     episodes: list[Episode] = []
+    sample_turn = sampler or partial(sample_batch, model)
     for start in range(0, len(tasks), batch_size):
-        episodes.extend(_rollout_chunk(model, tokenizer, env_factory, tasks[start:start + batch_size], params, generator))
+        episodes.extend(_rollout_chunk(sample_turn, tokenizer, env_factory, tasks[start:start + batch_size], params, generator))
     return episodes
 
 
-def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator) -> list[Episode]:
+def _rollout_chunk(sample_turn, tokenizer, env_factory, tasks, params, generator) -> list[Episode]:
     envs = [env_factory() for _ in tasks]
     for env in envs:
         if hasattr(env, "bind_tokenizer"):  # environments that render through the tokenizer (chat format)
@@ -88,8 +94,8 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator) -> l
         if not live:
             break
         contexts = [episodes[i].prompt_ids + episodes[i].token_ids for i in live]
-        samples = sample_batch(model, contexts, params, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                               tokenizer=tokenizer, stop_patterns=stop_patterns, generator=generator)
+        samples = sample_turn(contexts, params, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                                   tokenizer=tokenizer, stop_patterns=stop_patterns, generator=generator)
         for i, sample in zip(live, samples):
             ep = episodes[i]
             ep.token_ids += sample.ids

@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from agentrl.algos import group_advantages, grpo_loss, masked_mean, rloo_advantages, zero_variance_fraction
-from agentrl.algos.losses import entropy_from_logits
+from agentrl.algos.losses import entropy_from_logits, tis_weights
 from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams
 from agentrl.samples import SamplesLog
@@ -58,8 +58,13 @@ class GRPOConfig:
     tracker_kwargs: dict = field(default_factory=dict)  # passed to init_trackers(init_kwargs=...)
     logprob_mismatch_threshold: float | None = 0.05  # error when the mean |recomputed - sampled| logprob at
     # the rollout's weights exceeds this (None: only logged as rollout/logprob_mismatch_*)
+    tis_clip: float | None = None  # truncated importance sampling (Yao et al. 2025; algos/losses.tis_weights): each
+    # token's policy loss times min(pi_old / pi_sampler, tis_clip), for a sampler that is not the trainer
+    # (rollout.backend: vllm; 2.0 is the paper's C). None: off
 
     def __post_init__(self):
+        if self.tis_clip is not None and self.tis_clip <= 0:
+            raise ValueError(f"tis_clip must be > 0 (or None: off), got {self.tis_clip}")
         for name in ("tasks_per_step", "num_generations", "num_iterations", "mini_batch_size",
                      "gradient_accumulation_steps"):
             if getattr(self, name) < 1:
@@ -101,6 +106,7 @@ class GRPOTrainer:
         self.samples_log = SamplesLog(None)  # a job sets SamplesLog(run_dir/"samples.jsonl", ...) to sample episodes
         self._sample_tensors: dict = {}  # the last update's tensors, for samples_log
         self.current_step = 0
+        self.rollout_backend = None  # None: sample with the policy (hf); a job sets a VLLMRollout for rollout.backend: vllm
         if config.log_with:
             self.accelerator.init_trackers(config.tracker_project_name, config={
                 k: v for k, v in asdict(config).items() if isinstance(v, (int, float, str, bool))},
@@ -130,13 +136,18 @@ class GRPOTrainer:
         for i in range(steps):
             # Consecutive copies of a task form its group: (task_0 x G, task_1 x G, ...).
             batch_tasks = [t for t in cycler.draw(cfg.tasks_per_step) for _ in range(cfg.num_generations)]
+            sync_seconds, sampler = None, None
+            if self.rollout_backend is not None:  # vLLM samples with this step's weights
+                sync_seconds, sampler = self.rollout_backend.sync_weights(self.policy), self.rollout_backend.sample
             started = time.time()
-            episodes = rollout(self.policy, self.tokenizer, env_factory, batch_tasks, sampling)
+            episodes = rollout(self.policy, self.tokenizer, env_factory, batch_tasks, sampling, sampler=sampler)
             if score_hook is not None:  # e.g. reward models adding to the environment's scores
                 score_hook(episodes)
             stats = self._update(episodes)
             stats.update(episode_metrics(episodes))
             stats["time/rollout"] = time.time() - started - stats["time/update"]
+            if sync_seconds is not None:
+                stats["time/weight_sync"] = sync_seconds
             self.metrics_log.write(stats, self.current_step)
             self.samples_log.write(self.current_step, episodes, self._sample_tensors)
             history.append(stats)
@@ -210,9 +221,14 @@ class GRPOTrainer:
                     if old is None and it == 0 and start < cfg.mini_batch_size * cfg.gradient_accumulation_steps:
                         at_rollout.append((logprobs.detach(), mb.logprobs, mb.loss_mask))
                     mb_old = logprobs.detach() if old is None else old[idx, :w]
+                    tis = None  # truncated importance weights (B, T-1), with tis_clip and the sampler's logprobs
+                    if cfg.tis_clip is not None and mb.logprobs is not None:
+                        tis, tis_stats = tis_weights(mb_old, mb.logprobs, mb.loss_mask, cfg.tis_clip)
+                        for k, v in tis_stats.items():
+                            acc[f"tis/{k}"].append(v.item())
                     loss, st = grpo_loss(logprobs, mb_old, advantages[idx], mb.loss_mask, cfg.epsilon,
                                          cfg.epsilon_high, cfg.beta, None if ref is None else ref[idx, :w],
-                                         cfg.loss_aggregation)
+                                         cfg.loss_aggregation, tis)
                     nonfinite += guarded_step(self.accelerator, self.model, self.optimizer, loss, cfg.max_grad_norm)
                     self.optimizer.zero_grad(set_to_none=True)
                 with torch.no_grad():

@@ -28,7 +28,7 @@ from accelerate.utils import ProjectConfiguration, set_seed
 
 from agentrl import core
 from agentrl.algos import AdaptiveKLController, FixedKLController, gae, kl_penalty, masked_mean, masked_var, whiten
-from agentrl.algos.losses import entropy_from_logits, ppo_policy_loss, ppo_value_loss
+from agentrl.algos.losses import entropy_from_logits, ppo_policy_loss, ppo_value_loss, tis_weights
 from agentrl.models.value_head import AutoModelForCausalLMWithValueHead, create_reference_model
 from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams, sample_batch
@@ -109,8 +109,13 @@ class PPOConfig:
     ptx_data: str | None = None  # its demonstrations: a JSONL file (trainers/sft.py rows), or "env" in jobs
     logprob_mismatch_threshold: float | None = 0.05  # error when the mean |recomputed - sampled| logprob at
     # the rollout's weights exceeds this (None: only logged as rollout/logprob_mismatch_*)
+    tis_clip: float | None = None  # truncated importance sampling (Yao et al. 2025; algos/losses.tis_weights): each
+    # token's policy loss times min(pi_trainer / pi_sampler, tis_clip), for a sampler that is not the trainer
+    # (rollout.backend: vllm; 2.0 is the paper's C). None: off
 
     def __post_init__(self):
+        if self.tis_clip is not None and self.tis_clip <= 0:
+            raise ValueError(f"tis_clip must be > 0 (or None: off), got {self.tis_clip}")
         if self.kl_penalty not in ("kl", "abs", "mse", "full"):
             raise ValueError(f"kl_penalty must be one of kl, abs, mse, full; got {self.kl_penalty!r}")
         for name in ("batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs"):
@@ -275,6 +280,7 @@ class PPOTrainer:
         self.running = RunningMoments()
         self.current_step = 0
         self.ptx = None  # PPO-ptx demonstrations (set_ptx_data)
+        self.rollout_backend = None  # None: sample with the policy (hf); a job sets a VLLMRollout for rollout.backend: vllm
         if config.ptx_coef > 0 and config.ptx_data != "env":
             self.set_ptx_data(config.ptx_data)
         self.metrics_log = MetricsLog(None, self.accelerator)
@@ -468,8 +474,11 @@ class PPOTrainer:
         bar = progress_bar(steps, "PPO", progress)
         for i in range(steps):
             batch_tasks = cycler.draw(self.config.batch_size)
+            sync_seconds, sampler = None, None
+            if self.rollout_backend is not None:  # vLLM samples with this step's weights
+                sync_seconds, sampler = self.rollout_backend.sync_weights(self.policy), self.rollout_backend.sample
             started = time.time()
-            episodes = rollout(self.policy, self.tokenizer, env_factory, batch_tasks, sampling)
+            episodes = rollout(self.policy, self.tokenizer, env_factory, batch_tasks, sampling, sampler=sampler)
             if score_hook is not None:  # e.g. reward models adding to the environment's scores
                 score_hook(episodes)
             rollout_seconds = time.time() - started
@@ -478,6 +487,8 @@ class PPOTrainer:
             stats = self._update(batch)
             stats.update(episode_metrics(episodes))
             stats["time/rollout"] = rollout_seconds
+            if sync_seconds is not None:
+                stats["time/weight_sync"] = sync_seconds
             self.metrics_log.write(_scalars(stats), self.current_step)
             self.samples_log.write(self.current_step, episodes, self._sample_tensors)
             history.append(stats)
@@ -533,6 +544,10 @@ class PPOTrainer:
         old_logprobs, values, ref_logprobs, kl = self._old_and_ref(batch)
         mismatch = {} if batch.logprobs is None else logprob_mismatch(old_logprobs, batch.logprobs, mask,
                                                                       cfg.logprob_mismatch_threshold)
+        tis = None  # (B, T-1) truncated importance weights, with tis_clip and the sampler's logprobs
+        if cfg.tis_clip is not None and batch.logprobs is not None:
+            tis, tis_stats = tis_weights(old_logprobs, batch.logprobs, mask, cfg.tis_clip)
+            mismatch.update({f"tis/{k}": v.item() for k, v in tis_stats.items()})
         t_forward = time.time()
 
         # Per-token rewards: -beta * KL at every action token, plus each turn's score at its last token.
@@ -560,7 +575,8 @@ class PPOTrainer:
                     with self.accelerator.autocast():
                         logprobs, vpred, _, logits = policy_forward(self.model, mb, cfg.temperature)
                     pg_loss, vf_term, mb_stats = self.loss(mb_old, mb_values, logits[:, :-1] / cfg.temperature, vpred,
-                                                           logprobs, mb.loss_mask, mb_adv, mb_ret)
+                                                           logprobs, mb.loss_mask, mb_adv, mb_ret,
+                                                           tis_weights=None if tis is None else tis[idx, :w])
                     loss = pg_loss + vf_term - cfg.entropy_coef * mb_stats["policy/entropy"]
                     if self.ptx is not None:  # PPO-ptx: keep what SFT taught (the LM loss on demonstrations)
                         with self.accelerator.autocast():
@@ -701,14 +717,16 @@ class PPOTrainer:
         return values, advantages.detach(), returns.detach()
 
     def loss(self, old_logprobs: torch.Tensor, values: torch.Tensor, logits: torch.Tensor, vpreds: torch.Tensor,
-             logprobs: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor):
+             logprobs: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor,
+             tis_weights: torch.Tensor | None = None):
         """PPO's clipped policy and value losses on one mini-batch; all (B, T) but logits (B, T, V).
+        tis_weights (B, T): truncated importance weights on the policy loss (PPOConfig.tis_clip), or None.
 
         Returns (pg_loss, vf_coef * vf_loss, stats): TRL 0.11's flat stats dict of detached tensors. A
         mini-batch whose mean ratio exceeds `ratio_threshold` is skipped: both losses become 0.
         """
         cfg = self.config
-        pg_loss, pg_stats = ppo_policy_loss(logprobs, old_logprobs, advantages, mask, cfg.cliprange)
+        pg_loss, pg_stats = ppo_policy_loss(logprobs, old_logprobs, advantages, mask, cfg.cliprange, tis_weights)
         vf_loss, vf_stats = ppo_value_loss(vpreds, values, returns, mask, cfg.cliprange_value)
         skip = pg_stats["ratio"].item() > cfg.ratio_threshold
         if skip:
