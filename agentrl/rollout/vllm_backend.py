@@ -13,10 +13,10 @@ before it, so the kept tokens have exactly the distribution of a sampler that st
 tokens vLLM wrote past the match.
 
 Weights: before each rollout the policy's *merged* weights (LoRA folded in, W + scale * B A, with the trained
-norm gains) replace vLLM's in place (its worker's `reload_weights`, in this process: no copy, no serialization). Why merged weights and not vLLM's LoRA
-support: add_lora also trains the normalisation gains (peft modules_to_save), which a vLLM LoRA adapter
-cannot carry; full fine-tuning takes the same path; and a merged model samples at vLLM's full speed, with no
-adapter kernels. The cost is one pass over the weights per step (`time/weight_sync`). The prefix cache is reset
+norm gains) replace vLLM's in place (its worker's `reload_weights`, in this process: no serialization). Why merged
+weights and not vLLM's LoRA support: add_lora also trains the normalisation gains (peft modules_to_save), which
+a vLLM LoRA adapter cannot carry; full fine-tuning takes the same path; and a merged model samples at vLLM's full
+speed, with no adapter kernels. The cost is one pass over the weights per step (`time/weight_sync`). The prefix cache is reset
 after each sync: cached keys and values of the old weights must not serve the new ones.
 
 vLLM is never a hard dependency: `pip install agentrl[vllm]` (on a CPU machine, a venv of its own:
@@ -99,8 +99,9 @@ class VLLMRollout:
         self.llm.reset_prefix_cache()
         return time.time() - started
 
-    def sample(self, contexts: list[list[int]], params: SamplingParams, eos_token_id: int, pad_token_id: int | None = None,
-               tokenizer=None, stop_patterns: tuple[str, ...] = (), generator: torch.Generator | None = None) -> list[Sample]:
+    def sample(self, contexts: list[list[int]], params: SamplingParams, eos_token_id: int,
+               pad_token_id: int | None = None, tokenizer=None, stop_patterns: tuple[str, ...] = (),
+               generator: torch.Generator | None = None) -> list[Sample]:
         """sample_batch's contract through vLLM: one Sample per context (ids, tempered logprobs, finish)."""
         if not contexts:
             return []
