@@ -85,7 +85,7 @@ def run_grpo(args, work, tok) -> dict:
                         mini_batch_size=s["mini_batch_size"], num_iterations=s["num_iterations"], beta=s["beta"],
                         learning_rate=s["learning_rate"], max_grad_norm=s["max_grad_norm"], seed=0)
     trainer = GRPOTrainer(config, model, tok)
-    sampling = SamplingParams(max_new_tokens=s["completion_tokens"], min_new_tokens=s["completion_tokens"])
+    sampling = SamplingParams(max_new_tokens=s["completion_tokens"])
     before = common.trainable_snapshot(model)
     clock, lengths = common.StepClock(), []
     clock.tick()
@@ -94,9 +94,9 @@ def run_grpo(args, work, tok) -> dict:
     settings = {"prompts_per_step": config.tasks_per_step, "num_generations": config.num_generations,
                 "mini_batch_size": config.mini_batch_size, "num_iterations": config.num_iterations,
                 "beta": config.beta, "learning_rate": config.learning_rate, "max_grad_norm": config.max_grad_norm,
-                "completion_tokens": f"{sampling.min_new_tokens}-{sampling.max_new_tokens}",
+                "max_completion_tokens": sampling.max_new_tokens,
                 "temperature": sampling.temperature, "precision": config.mixed_precision,
-                "completion_tokens_mean": sum(h.get("tokens/responses_len_mean", 0) for h in history) / len(history)}
+                "completion_tokens_mean": sum(h["env/mean_response_length"] for h in history) / len(history)}
     return {"steps": clock.steps, "settings": settings, "model": facts, "moved": common.moved(before, model)}
 
 

@@ -18,6 +18,8 @@ import time
 TASKS = {
     "ppo": {"batch_size": 64, "query_tokens": 14, "response_tokens": 32, "mini_batch_size": 16, "ppo_epochs": 4,
             "learning_rate": 1.41e-5},
+    # GRPO completions end at EOS or 32 tokens: forcing 32 (min_new_tokens) would sample from a distribution
+    # with EOS masked, which the trainers' recomputed logprobs do not see (agentrl's mismatch check rejects it).
     "grpo": {"prompts": 8, "num_generations": 8, "completion_tokens": 32, "mini_batch_size": 64, "beta": 0.0,
              "num_iterations": 1, "learning_rate": 1e-5, "max_grad_norm": 1.0},
     "dpo": {"batch_size": 16, "beta": 0.1, "learning_rate": 5e-5, "max_grad_norm": 1.0},
@@ -66,8 +68,14 @@ def moved(before: dict, model) -> dict:
 
 
 def model_facts(model) -> dict:
+    """What a reader compares across the two sides; `logits_checksum` (the summed logits of a fixed input) shows
+    that both loaded the same weights (LoRA's B starts at zero, so the adapter changes nothing yet)."""
+    import torch
+
     cfg = model.config
-    return {"parameters": sum(p.numel() for p in model.parameters()),
+    with torch.no_grad():
+        checksum = float(model(input_ids=torch.arange(1, 11)[None]).logits.double().sum())
+    return {"logits_checksum": round(checksum, 3), "parameters": sum(p.numel() for p in model.parameters()),
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "hidden_size": cfg.hidden_size, "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
             "vocab": cfg.vocab_size, "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}

@@ -62,7 +62,8 @@ def prepare(models_dir: Path) -> None:
 
 
 def make_workload(tok) -> dict:
-    """PPO queries of exactly 14 token ids, GRPO prompt texts, DPO pairs (prompt, tool trace, guess)."""
+    """PPO queries of exactly 14 token ids, GRPO prompt texts, DPO pairs (prompt; chosen: the tool call, its
+    observation and the answer; rejected: a guess), about 60 tokens a pair."""
     import random
 
     from agentrl.envs import calculator_demonstration, calculator_tasks
@@ -74,7 +75,8 @@ def make_workload(tok) -> dict:
     for t in tasks[:256]:
         chosen = calculator_demonstration(t, True, rng)
         rejected = calculator_demonstration(t, False, rng)
-        row = {"prompt": chosen[0][0], "chosen": "".join(s for s, _ in chosen[1:]),
+        action = chosen[1][0][chosen[1][0].index("Action:"):]  # the Thought line left out: shorter pairs
+        row = {"prompt": chosen[0][0], "chosen": action + "".join(s for s, _ in chosen[2:]),
                "rejected": "".join(s for s, _ in rejected[1:])}
         pairs.append(row)
         lengths.append(sum(len(tok(row[k], add_special_tokens=k == "prompt")["input_ids"]) for k in row))

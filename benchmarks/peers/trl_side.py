@@ -94,7 +94,7 @@ def run_grpo(args, work, tok) -> dict:
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(**common_args(args, out), per_device_train_batch_size=s["prompts"] * s["num_generations"],
                             num_generations=s["num_generations"], max_completion_length=s["completion_tokens"],
-                            generation_kwargs={"min_new_tokens": s["completion_tokens"]}, beta=s["beta"],
+                            beta=s["beta"],
                             num_iterations=s["num_iterations"], learning_rate=s["learning_rate"],
                             max_grad_norm=s["max_grad_norm"], temperature=1.0, top_k=0, top_p=1.0)
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype="float32")
@@ -109,7 +109,7 @@ def run_grpo(args, work, tok) -> dict:
                 "num_generations": config.num_generations, "mini_batch_size": config.per_device_train_batch_size,
                 "num_iterations": config.num_iterations, "beta": config.beta, "learning_rate": config.learning_rate,
                 "max_grad_norm": config.max_grad_norm, "temperature": config.temperature,
-                "completion_tokens": f"{s['completion_tokens']}-{config.max_completion_length}",
+                "max_completion_tokens": config.max_completion_length,
                 "precision": "bf16" if config.bf16 else "no",
                 "completion_tokens_mean": sum(r["completions/mean_length"] for r in logs) / max(1, len(logs))}
     return {"steps": clock.steps, "settings": settings, "model": facts, "moved": common.moved(before, trainer.model)}
@@ -156,6 +156,9 @@ def main() -> None:
     wanted = "0.11" if args.task == "ppo" else "1.16"
     if not trl.__version__.startswith(wanted):
         sys.exit(f"{args.task} is measured against TRL {wanted}.x; this Python has TRL {trl.__version__}")
+    if transformers.__version__.startswith("4."):
+        # transformers 5 saves tokenizer_class "TokenizersBackend", which 4.x does not know; the files are the same.
+        from transformers import PreTrainedTokenizerFast as AutoTokenizer
     tok = AutoTokenizer.from_pretrained(args.model)
     work = common.load_workload(args.workload)
     result = {"run_ppo": run_ppo, "run_grpo": run_grpo, "run_dpo": run_dpo}[f"run_{args.task}"](args, work, tok)
