@@ -37,7 +37,7 @@ def run_ppo(args, work, tok) -> dict:
                        learning_rate=s["learning_rate"], seed=0)
     trainer = PPOTrainer(config=config, model=model, tokenizer=tok)
     before = common.trainable_snapshot(model)
-    gen = {"max_new_tokens": s["response_tokens"], "min_new_tokens": s["response_tokens"], "do_sample": True,
+    gen = {"max_new_tokens": s["response_tokens"], "do_sample": True,
            "top_k": 0, "top_p": 1.0, "batch_size": s["batch_size"]}
     clock, lengths = common.StepClock(), []
     queries_all = work["ppo_query_ids"]

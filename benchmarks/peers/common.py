@@ -18,8 +18,9 @@ import time
 TASKS = {
     "ppo": {"batch_size": 64, "query_tokens": 14, "response_tokens": 32, "mini_batch_size": 16, "ppo_epochs": 4,
             "learning_rate": 1.41e-5},
-    # GRPO completions end at EOS or 32 tokens: forcing 32 (min_new_tokens) would sample from a distribution
-    # with EOS masked, which the trainers' recomputed logprobs do not see (agentrl's mismatch check rejects it).
+    # Responses end at EOS or after 32 tokens (the 26 M random model almost never samples EOS; both sides report
+    # their mean length). Forcing 32 with min_new_tokens would sample from a distribution with EOS masked, which
+    # the trainers' recomputed logprobs do not see (agentrl's logprob-mismatch check rejects that, rightly).
     "grpo": {"prompts": 8, "num_generations": 8, "completion_tokens": 32, "mini_batch_size": 64, "beta": 0.0,
              "num_iterations": 1, "learning_rate": 1e-5, "max_grad_norm": 1.0},
     "dpo": {"batch_size": 16, "beta": 0.1, "learning_rate": 5e-5, "max_grad_norm": 1.0},

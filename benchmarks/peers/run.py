@@ -148,7 +148,7 @@ def side_by_side(task: str, model: str, a: dict, p: dict) -> str:
     return f"{task} on {MODELS[model]}:\n" + "\n".join(out)
 
 
-LABELS = {"ppo": "PPO (64 x 14+32 tokens, mini-batch 16, 4 epochs)", "grpo": "GRPO (8 prompts x 8, 32 new tokens, beta 0)",
+LABELS = {"ppo": "PPO (64 x 14+<=32 tokens, mini-batch 16, 4 epochs)", "grpo": "GRPO (8 prompts x 8, <= 32 new tokens, beta 0)",
           "dpo": "DPO (batch 16, ~{n} tokens a pair)"}
 
 
