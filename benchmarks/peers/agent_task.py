@@ -1,13 +1,16 @@
 """The agent task the peers were never measured on: GRPO on a calculator agent that makes real tool calls.
 
-    python benchmarks/peers/agent_task.py [--steps 40] [--target 0.8] [--json runs/agent-task.json]
+    python benchmarks/peers/agent_task.py [--steps 40] [--target 0.7] [--json runs/agent-task.json]
 
 The embedded chat model (ChatML, Hermes `<tool_call>{json}</tool_call>` calls, `agentrl base-model corpus=chat
 steps=1000`) answers held-out "What is a op b?" questions and may call `calculator(expression)`, which really runs
 (agentrl.envs.calculator: a safe AST evaluator). Both sides run GRPO with the same model, tool function, rewards
 (1.0 correct after a call, 0.2 call but wrong, -0.5 only failed calls, -1.0 no call), 8 tasks x 8 episodes a
-step, one optimizer step of 64 episodes, LoRA r16 on q_proj/v_proj, lr 5e-4, Adam eps 1e-5, grad clip 1.0, beta 0,
-temperature 1, constant learning rate, one torch thread:
+step, one optimizer step of 64 episodes, beta 0, temperature 1, grad clip 1.0, constant learning rates, one torch
+thread, and the trainable parameters `agentrl grpo --config chat` trains: LoRA r16 on every linear layer plus the
+norm gains (peft modules_to_save), Adam (eps 1e-5) at 5e-4, the gains at 1e-2 (the same optimizer groups on both
+sides; TRL gets them through its `optimizers=` argument). With LoRA alone the held-out sampled accuracy of this
+model does not move in 40 steps (measured: 0.35 throughout; docs/sampled-accuracy.md explains why).
 - agentrl: GRPOTrainer.train(CalculatorToolEnv, tasks) (`agentrl grpo --config chat`'s trainer and environment);
 - TRL 1.16: GRPOTrainer(tools=[calculator], reward_funcs=<the same rewards from the returned messages>).
 Each side saves its LoRA adapter every --eval-every steps (the clock stops while it saves); afterwards every
@@ -37,7 +40,9 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 import common  # noqa: E402
 
-SETTINGS = {"tasks_per_step": 8, "num_generations": 8, "learning_rate": 5e-4, "adam_eps": 1e-5, "max_grad_norm": 1.0,
+SETTINGS = {"tasks_per_step": 8, "num_generations": 8, "learning_rate": 5e-4, "norm_learning_rate": 1e-2,
+            "adam_eps": 1e-5, "max_grad_norm": 1.0, "lora_r": 16, "lora_alpha": 32,
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
             "beta": 0.0, "temperature": 1.0, "max_new_tokens_per_turn": 48, "max_turns": 3, "train_tasks": 4000}
 # The Hermes call format inside ChatML, as transformers' response templates describe a turn (the fields of the
 # assistant message and what opens and closes each); our chat template renders exactly this.
@@ -68,9 +73,25 @@ def tool_rewards(messages: list[dict], task: dict) -> float:
 
 
 def lora(model):
+    """LoRA on every linear layer and trainable norm gains, as agentrl's jobs make it (jobs/common.add_lora)."""
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **common.LORA))
+    norms = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                    if name and "norm" in type(module).__name__.lower()})
+    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=SETTINGS["lora_r"], lora_alpha=SETTINGS["lora_alpha"],
+                                            lora_dropout=0.0, target_modules=SETTINGS["target_modules"],
+                                            modules_to_save=norms))
+
+
+def optimizer(model):
+    """Adam with the norm gains at their own rate: the groups agentrl's GRPOConfig(norm_learning_rate=...) makes."""
+    import torch
+
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    norms = [p for n, p in params if "norm" in n]
+    rest = [p for n, p in params if "norm" not in n]
+    return torch.optim.Adam([{"params": rest, "lr": SETTINGS["learning_rate"]},
+                             {"params": norms, "lr": SETTINGS["norm_learning_rate"]}], eps=SETTINGS["adam_eps"])
 
 
 class Checkpoints:
@@ -106,8 +127,8 @@ def train_agentrl(args, out: Path) -> dict:
     model = lora(AutoModelForCausalLM.from_pretrained(args.model, dtype="float32"))
     config = GRPOConfig(tasks_per_step=s["tasks_per_step"], num_generations=s["num_generations"],
                         mini_batch_size=s["tasks_per_step"] * s["num_generations"], learning_rate=s["learning_rate"],
-                        adam_eps=s["adam_eps"], max_grad_norm=s["max_grad_norm"], beta=s["beta"],
-                        temperature=s["temperature"], seed=0)
+                        adam_eps=s["adam_eps"], norm_learning_rate=s["norm_learning_rate"],
+                        max_grad_norm=s["max_grad_norm"], beta=s["beta"], temperature=s["temperature"], seed=0)
     trainer = GRPOTrainer(config, model, tok)
     ckpt = Checkpoints(out, args.eval_every)
     ckpt.begin()
@@ -130,7 +151,6 @@ def train_trl(args, out: Path) -> dict:
     s = SETTINGS
     tok = AutoTokenizer.from_pretrained(args.model)
     tok.response_template = RESPONSE_TEMPLATE
-    im_end = tok.convert_tokens_to_ids("<|im_end|>")
     tasks = calculator_tasks(s["train_tasks"], seed=0)
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": t["question"]}], "answer": t["answer"]}
                               for t in tasks])
@@ -154,10 +174,14 @@ def train_trl(args, out: Path) -> dict:
             num_generations=s["num_generations"], learning_rate=s["learning_rate"], adam_epsilon=s["adam_eps"],
             max_grad_norm=s["max_grad_norm"], beta=s["beta"], temperature=s["temperature"], top_k=0, top_p=1.0,
             lr_scheduler_type="constant", max_completion_length=s["max_new_tokens_per_turn"] * s["max_turns"],
-            max_tool_calling_iterations=s["max_turns"] - 1, generation_kwargs={"eos_token_id": [im_end, tok.eos_token_id]})
-        trainer = GRPOTrainer(model=lora(AutoModelForCausalLM.from_pretrained(args.model, dtype="float32")),
-                              reward_funcs=reward, args=config, train_dataset=data, processing_class=tok,
-                              tools=[calculator], callbacks=[Clock()])
+            max_tool_calling_iterations=s["max_turns"] - 1)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype="float32")
+        # A chat turn ends at <|im_end|>: TRL stops generating at the model's generation_config EOS ids (chat models
+        # ship theirs with the turn-end token, as Qwen's do); ours lists only <|eos|>.
+        model.generation_config.eos_token_id = [tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id]
+        model = lora(model)
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tok,
+                              tools=[calculator], callbacks=[Clock()], optimizers=(optimizer(model), None))
         trainer.train()
     return {"steps": ckpt.clock.steps, "checkpoints": ckpt.rows}
 
@@ -213,8 +237,8 @@ def main() -> None:
     parser.add_argument("--peers-dir", default=".venv-peers")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--eval-every", type=int, default=5)
-    parser.add_argument("--eval-tasks", type=int, default=200)
-    parser.add_argument("--target", type=float, default=0.8, help="held-out sampled accuracy to reach")
+    parser.add_argument("--eval-tasks", type=int, default=100)
+    parser.add_argument("--target", type=float, default=0.7, help="held-out sampled accuracy to reach")
     parser.add_argument("--work-dir", default="runs/agent-task")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
