@@ -55,8 +55,8 @@ def run_ppo(args, work, tok) -> dict:
                 "ppo_epochs": config.ppo_epochs, "learning_rate": config.learning_rate,
                 "query_tokens": sorted({len(q) for q in queries_all}), "generate": gen,
                 "response_tokens_mean": sum(lengths) / len(lengths), "precision": config.mixed_precision}
-    return {"steps": clock.steps, "settings": settings, "model": facts, "moved": common.moved(before, model),
-            "flops_per_step": flops}
+    return {"steps": clock.steps, "cpu_steps": clock.cpu_steps, "settings": settings, "model": facts,
+            "moved": common.moved(before, model), "flops_per_step": flops}
 
 
 class OneTurnEnv:
@@ -97,7 +97,8 @@ def run_grpo(args, work, tok) -> dict:
                 "max_completion_tokens": sampling.max_new_tokens,
                 "temperature": sampling.temperature, "precision": config.mixed_precision,
                 "completion_tokens_mean": sum(h["env/mean_response_length"] for h in history) / len(history)}
-    return {"steps": clock.steps, "settings": settings, "model": facts, "moved": common.moved(before, model)}
+    return {"steps": clock.steps, "cpu_steps": clock.cpu_steps, "settings": settings, "model": facts,
+            "moved": common.moved(before, model)}
 
 
 def run_dpo(args, work, tok) -> dict:
@@ -112,13 +113,19 @@ def run_dpo(args, work, tok) -> dict:
                            logging_steps=1, progress=False)
         trainer = DPOTrainer(model=model, args=config, train_dataset=work["pairs"], tokenizer=tok)
         before = common.trainable_snapshot(model)
-        history = trainer.train()
-    elapsed = [0.0] + [row["elapsed"] for row in history]
+        clock = common.StepClock()
+
+        class StepHook:  # train()'s checkpointer hook runs after every step; here it only reads the clock
+            def after_step(self, trainer, step, stats, last=False):
+                clock.tick()
+
+        clock.tick()
+        trainer.train(checkpointer=StepHook())
     settings = {"batch_size": config.per_device_train_batch_size, "beta": config.beta, "loss_type": config.loss_type,
                 "learning_rate": config.learning_rate, "max_grad_norm": config.max_grad_norm,
                 "optimizer": "AdamW", "precompute_ref_log_probs": config.precompute_ref_log_probs,
                 "pair_tokens_mean": work["pair_tokens_mean"], "precision": "bf16" if config.bf16 else "no"}
-    return {"steps": [b - a for a, b in zip(elapsed, elapsed[1:])], "settings": settings, "model": facts,
+    return {"steps": clock.steps, "cpu_steps": clock.cpu_steps, "settings": settings, "model": facts,
             "moved": common.moved(before, model)}
 
 

@@ -83,16 +83,19 @@ def model_facts(model) -> dict:
 
 
 class StepClock:
-    """Seconds of each step, from consecutive calls of tick() (the first tick starts the clock)."""
+    """Seconds of each step, from consecutive calls of tick() (the first tick starts the clock): wall-clock
+    (`steps`) and this process's CPU time (`cpu_steps`). With one thread on a quiet machine the two agree; on a
+    shared one the wall clock also counts the time other processes held the core, the CPU time does not."""
 
     def __init__(self):
-        self.last, self.steps = None, []
+        self.last, self.steps, self.last_cpu, self.cpu_steps = None, [], None, []
 
     def tick(self) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         if self.last is not None:
             self.steps.append(now - self.last)
-        self.last = now
+            self.cpu_steps.append(cpu - self.last_cpu)
+        self.last, self.last_cpu = now, cpu
 
 
 def peak_rss_mb() -> float:
@@ -117,7 +120,7 @@ def step_loop(args, one_step, clock: StepClock) -> float | None:
             with FlopCounterMode(display=False) as counter:
                 one_step(i)
             flops = counter.get_total_flops()
-            clock.last = time.perf_counter()
+            clock.last, clock.last_cpu = time.perf_counter(), time.process_time()
             continue
         one_step(i)
         clock.tick()

@@ -55,8 +55,8 @@ def run_ppo(args, work, tok) -> dict:
                 "query_tokens": sorted({len(q) for q in queries_all}), "generate": gen,
                 "response_tokens_mean": sum(lengths) / len(lengths),
                 "precision": trainer.accelerator.mixed_precision}
-    return {"steps": clock.steps, "settings": settings, "model": facts, "moved": common.moved(before, model),
-            "flops_per_step": flops}
+    return {"steps": clock.steps, "cpu_steps": clock.cpu_steps, "settings": settings, "model": facts,
+            "moved": common.moved(before, model), "flops_per_step": flops}
 
 
 def timing_callback(clock):
@@ -112,7 +112,8 @@ def run_grpo(args, work, tok) -> dict:
                 "max_completion_tokens": config.max_completion_length,
                 "precision": "bf16" if config.bf16 else "no",
                 "completion_tokens_mean": sum(r["completions/mean_length"] for r in logs) / max(1, len(logs))}
-    return {"steps": clock.steps, "settings": settings, "model": facts, "moved": common.moved(before, trainer.model)}
+    return {"steps": clock.steps, "cpu_steps": clock.cpu_steps, "settings": settings, "model": facts,
+            "moved": common.moved(before, trainer.model)}
 
 
 def run_dpo(args, work, tok) -> dict:
@@ -135,7 +136,8 @@ def run_dpo(args, work, tok) -> dict:
                 "learning_rate": config.learning_rate, "max_grad_norm": config.max_grad_norm,
                 "optimizer": str(config.optim), "precompute_ref_log_probs": config.precompute_ref_log_probs,
                 "pair_tokens_mean": work["pair_tokens_mean"], "precision": "bf16" if config.bf16 else "no"}
-    return {"steps": clock.steps, "settings": settings, "model": facts, "moved": common.moved(before, trainer.model)}
+    return {"steps": clock.steps, "cpu_steps": clock.cpu_steps, "settings": settings, "model": facts,
+            "moved": common.moved(before, trainer.model)}
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ def run():
 
 
 def process(steps, warmup=1, rss=100.0, changed=2, tensors=2, change=1e-3):
-    return {"steps": steps, "warmup": warmup, "peak_rss_mb": rss,
+    return {"steps": steps, "cpu_steps": [s / 2 for s in steps], "warmup": warmup, "peak_rss_mb": rss,
             "moved": {"tensors": tensors, "compared": tensors, "changed": changed, "max_abs_change": change}}
 
 
@@ -43,7 +43,8 @@ def test_ratio_and_table(run):
     text = run.table([{"label": "PPO", "model": "Llama 26 M", "peer_name": "TRL 0.11.4", "agentrl": agentrl,
                        "peer": peer}])
     row = text.splitlines()[2]
-    assert row == "| PPO | Llama 26 M | 2.000 | TRL 0.11.4 | 3.000 | x1.50 | 100 / 90 MB | yes / NO |"
+    assert row == ("| PPO | Llama 26 M | 2.000 | TRL 0.11.4 | 3.000 | x1.50 | 1.000 / 1.500 | x1.50 | 100 / 90 MB "
+                   "| yes / NO |")
 
 
 def test_digit_reward_varies_with_text(run):
