@@ -26,6 +26,7 @@ class Episode:
     token_ids: list[int] = field(default_factory=list)  # actions and observations, after the prompt
     loss_mask: list[int] = field(default_factory=list)  # 1 sampled, 0 observation
     logprobs: list[float] = field(default_factory=list)  # sampling logprobs, 0.0 on observations
+    values: list[float] | None = None  # PPO's values at the positions predicting each token (rollout(value_head=))
     turn_ends: list[int] = field(default_factory=list)  # index in token_ids of each turn's last token
     turn_rewards: list[float] = field(default_factory=list)
     info: dict = field(default_factory=dict)
@@ -60,15 +61,21 @@ def rollout(
     params: SamplingParams,
     batch_size: int = 256,
     generator: torch.Generator | None = None,
+    value_head: torch.nn.Module | None = None,
 ) -> list[Episode]:
-    """Run one episode per task, all tasks batched turn by turn. Returns episodes in task order."""
+    """Run one episode per task, all tasks batched turn by turn. Returns episodes in task order.
+
+    value_head: PPO's; each episode then keeps the values the sampler read (`Episode.values`, 0.0 on
+    observation tokens), so the trainer needs no forward pass for them.
+    """
     episodes: list[Episode] = []
     for start in range(0, len(tasks), batch_size):
-        episodes.extend(_rollout_chunk(model, tokenizer, env_factory, tasks[start:start + batch_size], params, generator))
+        episodes.extend(_rollout_chunk(model, tokenizer, env_factory, tasks[start:start + batch_size], params, generator,
+                                       value_head))
     return episodes
 
 
-def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator) -> list[Episode]:
+def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, value_head=None) -> list[Episode]:
     envs = [env_factory() for _ in tasks]
     for env in envs:
         if hasattr(env, "bind_tokenizer"):  # environments that render through the tokenizer (chat format)
@@ -80,7 +87,8 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator) -> l
     episodes = []
     for env, task in zip(envs, tasks):
         prompt = env.reset(task)
-        episodes.append(Episode(task=task, prompt_ids=encode_prompt(tokenizer, prompt)))
+        episodes.append(Episode(task=task, prompt_ids=encode_prompt(tokenizer, prompt),
+                                values=[] if value_head is not None else None))
     max_turns = envs[0].max_turns if envs else 0
     stop_patterns = tuple(envs[0].stop_patterns) if envs else ()
     for turn in range(max_turns):
@@ -89,12 +97,15 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator) -> l
             break
         contexts = [episodes[i].prompt_ids + episodes[i].token_ids for i in live]
         samples = sample_batch(model, contexts, params, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                               tokenizer=tokenizer, stop_patterns=stop_patterns, generator=generator)
+                               tokenizer=tokenizer, stop_patterns=stop_patterns, generator=generator,
+                               value_head=value_head)
         for i, sample in zip(live, samples):
             ep = episodes[i]
             ep.token_ids += sample.ids
             ep.loss_mask += [1] * len(sample.ids)
             ep.logprobs += sample.logprobs
+            if ep.values is not None:
+                ep.values += sample.values
             ep.turn_ends.append(len(ep.token_ids) - 1)
             ep.truncated |= sample.finish == "length"
             action = tokenizer.decode(sample.ids, skip_special_tokens=skip_special)
@@ -109,6 +120,8 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator) -> l
                 ep.token_ids += obs_ids
                 ep.loss_mask += [0] * len(obs_ids)
                 ep.logprobs += [0.0] * len(obs_ids)
+                if ep.values is not None:
+                    ep.values += [0.0] * len(obs_ids)
     for ep, env in zip(episodes, envs):  # so preference rows can be written as messages, not template text
         if getattr(env, "messages", None) is not None:
             ep.messages, ep.tools = list(env.messages), getattr(env, "schemas", None)

@@ -31,12 +31,19 @@ class Sample:
     ids: list[int]  # sampled token ids, EOS included when sampled
     logprobs: list[float]  # log pi(id | prefix) under logits / temperature
     finish: str  # "eos", "stop" (a stop pattern matched) or "length"
+    values: list[float] | None = None  # value_head's value at the position predicting each id (PPO), if asked
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
     """transformers 5.24 renamed `past_key_values` to `cache`; older models and releases keep the old name."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def keeps_logits(model: torch.nn.Module) -> bool:
+    """Whether the causal LM's forward takes `logits_to_keep` (logits of the last positions only)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -64,10 +71,13 @@ def sample_batch(
     tokenizer=None,
     stop_patterns: tuple[str, ...] = (),
     generator: torch.Generator | None = None,
+    value_head: torch.nn.Module | None = None,
 ) -> list[Sample]:
     """Continue each context until EOS, a stop pattern in this turn's text, or `max_new_tokens`.
 
     contexts: B lists of token ids (left-padded here). Stop patterns need `tokenizer` to decode.
+    value_head: PPO's value head, read on the last hidden state that predicts each sampled token, so the
+    trainer needs no separate forward for the values of the rollout (`Sample.values`).
     """
     if not contexts:
         return []
@@ -85,11 +95,15 @@ def sample_batch(
     positions = position_ids(attention_mask)
     cache = DynamicCache()
     B = len(contexts)
-    samples = [Sample([], [], "length") for _ in range(B)]
+    samples = [Sample([], [], "length", [] if value_head is not None else None) for _ in range(B)]
     active = torch.ones(B, dtype=torch.bool, device=device)
     cache_kw = cache_kwarg(model)
+    # Logits of the prompt's last position only: the others are never read (a (B, T, V) block saved).
+    extra = {"logits_to_keep": 1} if keeps_logits(model) else {}
+    if value_head is not None:
+        extra["output_hidden_states"] = True
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                use_cache=True, **{cache_kw: cache})
+                use_cache=True, **{cache_kw: cache}, **extra)
     next_pos = positions[:, -1:] + 1
     for n_new in range(params.max_new_tokens):
         logits = out.logits[:, -1, :].float() / params.temperature  # (B, V)
@@ -106,10 +120,15 @@ def sample_batch(
         token_logprobs = logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
         # One device-to-host copy per step, not one per row.
         token_list, logprob_list = tokens.tolist(), token_logprobs.tolist()
+        if value_head is not None:  # (B,) values of the positions that predict these tokens
+            hidden = out.hidden_states[-1][:, -1]
+            value_list = value_head(hidden.to(value_head.summary.weight.device)).float().tolist()
         for i in torch.nonzero(active).flatten().tolist():
             s = samples[i]
             s.ids.append(token_list[i])
             s.logprobs.append(logprob_list[i])
+            if value_head is not None:
+                s.values.append(value_list[i])
             if s.ids[-1] == eos_token_id:
                 s.finish, active[i] = "eos", False
             elif compiled and any(p.search(tokenizer.decode(s.ids)) for p in compiled):
@@ -119,6 +138,6 @@ def sample_batch(
         tokens = torch.where(active, tokens, torch.full_like(tokens, pad_token_id))
         attention_mask = torch.cat([attention_mask, active.long()[:, None]], dim=1)
         out = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_pos,
-                    use_cache=True, **{cache_kw: cache})
+                    use_cache=True, **{cache_kw: cache}, **extra)
         next_pos = next_pos + 1
     return samples
