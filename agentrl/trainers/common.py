@@ -271,7 +271,19 @@ def response_logprobs(model, batch: TokenBatch, temperature: float, with_entropy
                 logits_to_keep=1, **positions)
     hidden = out.hidden_states[-1][:, :-1]  # (B, T-1, H): position t predicts token t+1
     where = batch.loss_mask.bool()
-    picked, targets = hidden[where], batch.input_ids[:, 1:][where]  # (N, H), (N,)
+    logprobs, entropy = _head_logprobs(head, hidden, where, batch.input_ids[:, 1:], temperature, with_entropy,
+                                       entropy_grad, (*torch.nonzero(where, as_tuple=True), where.shape))
+    values = None
+    if value_head is not None:
+        values = value_head(hidden.to(value_head.summary.weight.device)).float() * batch.loss_mask
+    return logprobs, entropy, values
+
+
+def _head_logprobs(head, hidden, where, targets, temperature, with_entropy, entropy_grad, put):
+    """The LM head, LOGPROB_CHUNK positions at a time, then logsumexp and gather, at hidden[where] for
+    targets[where]; the N results go into zeros of shape put[2] at indices (put[0], put[1]).
+    Returns (logprobs, entropy or None) of that shape."""
+    picked, targets = hidden[where], targets[where]  # (N, H), (N,)
     recompute = torch.is_grad_enabled() and picked.shape[0] * head.out_features > RECOMPUTE_HEAD_ABOVE
     parts = []
     for s in range(0, picked.shape[0], LOGPROB_CHUNK):
@@ -279,20 +291,99 @@ def response_logprobs(model, batch: TokenBatch, temperature: float, with_entropy
                 with_entropy, entropy_grad)
         parts.append(torch.utils.checkpoint.checkpoint(_head_block, *args, use_reentrant=False) if recompute
                      else _head_block(*args))
-    shape = batch.loss_mask.shape
 
     def scatter(values: list[torch.Tensor]) -> torch.Tensor:
-        full = torch.zeros(shape, dtype=torch.float32, device=batch.input_ids.device)
+        full = torch.zeros(put[2], dtype=torch.float32, device=hidden.device)
         if not values:  # nothing sampled: still a graph, so a backward of a zero loss works as before
             return full + hidden.sum() * 0.0 if hidden.requires_grad else full
-        return full.index_put((where,), torch.cat(values))
+        return full.index_put(put[:2], torch.cat(values))
 
-    logprobs = scatter([p[0] for p in parts])
-    entropy = scatter([p[1] for p in parts]) if with_entropy else None
-    values = None
-    if value_head is not None:
-        values = value_head(hidden.to(value_head.summary.weight.device)).float() * batch.loss_mask
-    return logprobs, entropy, values
+    return scatter([p[0] for p in parts]), (scatter([p[1] for p in parts]) if with_entropy else None)
+
+
+def shared_prefix_logprobs(model, batch: TokenBatch, temperature: float, with_entropy: bool = False,
+                           entropy_grad: bool = False):
+    """`response_logprobs` for batches whose rows share prefixes (GRPO's groups: one prompt, num_generations
+    episodes; DPO's pairs: one prompt, chosen and rejected): each distinct prefix (the ids before a row's first
+    sampled token) runs once, its KV cache is copied to the rows that share it, and only the rest of each row
+    runs on top of it. The same maths as one forward over the whole rows (gradients reach the prefix through
+    the cache); the prompt's FLOPs are paid once per group instead of once per row.
+
+    Returns (logprobs, entropy or None, None) like response_logprobs, or None where there is little to share
+    (fewer than two rows per prefix on average), a row has no sampled token, or the model's head cannot be
+    split off (then use response_logprobs / the full forward).
+    """
+    from transformers import DynamicCache
+
+    from agentrl.models.value_head import accepts_position_ids
+    from agentrl.rollout.sampling import cache_kwarg
+
+    mask, ids = batch.loss_mask, batch.input_ids
+    B = ids.shape[0]
+    if B < 2 or not bool(mask.bool().any(-1).all()) or not accepts_position_ids(model):
+        return None
+    first = mask.float().argmax(-1) + 1  # (B,) index of each row's first sampled token
+    first_list = first.tolist()
+    rows = ids.tolist()
+    prefixes: dict[tuple, int] = {}
+    row_map = [prefixes.setdefault(tuple(rows[i][: first_list[i]]), len(prefixes)) for i in range(B)]
+    if 2 * len(prefixes) > B:
+        return None
+    positions = {"position_ids": position_ids(batch.attention_mask)}
+    head = _output_head(model, batch, positions)
+    if head is None:
+        return None
+    device, pad = ids.device, 0
+    # Prefixes, left-padded: (U, Lp); their last column predicts each row's first sampled token.
+    width = max(len(p) for p in prefixes)
+    prefix_ids = torch.full((len(prefixes), width), pad, dtype=torch.long, device=device)
+    prefix_mask = torch.zeros_like(prefix_ids)
+    for u, p in enumerate(prefixes):
+        prefix_ids[u, width - len(p):] = torch.tensor(p, device=device)
+        prefix_mask[u, width - len(p):] = 1
+    cache = DynamicCache()
+    kw = cache_kwarg(model)
+    out = model(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=position_ids(prefix_mask),
+                use_cache=True, output_hidden_states=True, logits_to_keep=1, **{kw: cache})
+    rm = torch.tensor(row_map, device=device)
+    last = out.hidden_states[-1][:, -1][rm]  # (B, H)
+    cache.batch_select_indices(rm)  # (U, ...) -> (B, ...): differentiable indexing of each layer's K and V
+    # The rest of each row, right-padded: (B, Ls), on top of its prefix's cache.
+    lengths = batch.attention_mask.sum(-1)
+    rest = (lengths - first).clamp(min=0)
+    Ls = int(rest.max())
+    arange = torch.arange(Ls, device=device)
+    valid = arange[None] < rest[:, None]  # (B, Ls)
+    take = (first[:, None] + arange[None]).clamp(max=ids.shape[1] - 1)
+    rest_ids = torch.where(valid, ids.gather(1, take), torch.full_like(take, pad))
+    out = model(input_ids=rest_ids, attention_mask=torch.cat([prefix_mask[rm], valid.long()], 1),
+                position_ids=first[:, None] + arange[None], use_cache=True, output_hidden_states=True,
+                logits_to_keep=1, **{kw: cache})
+    # Column j predicts token first + j: the prefix's last hidden state, then the rest's (its last column
+    # predicts nothing).
+    hidden = torch.cat([last[:, None], out.hidden_states[-1][:, :-1]], 1)  # (B, Ls, H)
+    shifted = mask.gather(1, (first[:, None] - 1 + arange[None]).clamp(max=mask.shape[1] - 1)).bool() & valid
+    r, j = torch.nonzero(shifted, as_tuple=True)
+    logprobs, entropy = _head_logprobs(head, hidden, shifted, rest_ids, temperature, with_entropy, entropy_grad,
+                                       (r, first[r] - 1 + j, mask.shape))
+    return logprobs, entropy, None
+
+
+def masked_logprobs(model, batch: TokenBatch, temperature: float, with_entropy: bool = False):
+    """(logprobs, entropy or None), each (B, T-1), at the positions where batch.loss_mask is 1 (0 elsewhere),
+    by the cheapest exact path: shared prefixes run once (shared_prefix_logprobs), else the LM head only at
+    those positions (response_logprobs), else the full forward. The entropy is a detached statistic."""
+    out = shared_prefix_logprobs(model, batch, temperature, with_entropy)
+    if out is None:
+        out = response_logprobs(model, batch, temperature, with_entropy)
+    if out is not None:
+        return out[0], out[1]
+    logprobs, logits = lm_logprobs(model, batch, temperature, return_logits=True)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits[:, :-1].float() / temperature) * batch.loss_mask
+    return logprobs * batch.loss_mask, entropy
 
 
 def policy_forward(model, batch: TokenBatch, temperature: float, with_entropy: bool = False):
