@@ -84,12 +84,16 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (mixed_precision / bf16)")
     parser.add_argument("--full-logits", action="store_true",
                         help="turn the response-only logprob path off (full (B, T, V) logits, as before)")
+    parser.add_argument("--no-shared-prefix", action="store_true",
+                        help="turn prompt sharing off (GRPO groups, DPO pairs run their prompt once per row)")
+    parser.add_argument("--pairs", type=int, default=256, help="DPO pairs (16 a step: 32 puts step 3 in epoch 2)")
     args = parser.parse_args()
-    if args.full_logits:
-        import agentrl.trainers.common as common
+    import agentrl.trainers.common as common
 
-        if hasattr(common, "_output_head"):
-            common._output_head = lambda *a, **k: None
+    if args.full_logits and hasattr(common, "_output_head"):
+        common._output_head = lambda *a, **k: None
+    if args.no_shared_prefix and hasattr(common, "shared_prefix_logprobs"):
+        common.shared_prefix_logprobs = lambda *a, **k: None
     model_dir = Path(args.model_dir)
     build_model(model_dir, args.tokenizer)
 
@@ -114,7 +118,7 @@ def main() -> None:
         for step in range(args.steps + 1):
             queries = [torch.tensor(tok(env.reset(t))["input_ids"]) for t in tasks[step * 64:(step + 1) * 64]]
             started = time.perf_counter()
-            responses = trainer.generate(queries, return_prompt=False, max_new_tokens=32, min_new_tokens=32,
+            responses = trainer.generate(queries, return_prompt=False, max_new_tokens=32,
                                          batch_size=64)
             gen = time.perf_counter() - started
             scores = [float(len(set(r.tolist())) % 3 - 1) for r in responses]
@@ -150,7 +154,7 @@ def main() -> None:
         env = CalculatorEnv()
         vocab = list(range(3, len(tok)))
         examples = []
-        for t in tasks[:256]:
+        for t in (tasks * 4)[:args.pairs]:
             prompt = tok(env.reset(t))["input_ids"]
             c, r = ([rng.choice(vocab) for _ in range(rng.randint(14, 28))] for _ in range(2))
             examples.append(PreferenceExample(prompt_ids=prompt, chosen_ids=c, chosen_mask=[1] * len(c),

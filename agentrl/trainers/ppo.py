@@ -615,7 +615,9 @@ class PPOTrainer:
         reuse = self._reuse_rollout(batch)
         # Two tries: with the sampler's logprobs and values, then, if the first mini-batch's forward at the
         # rollout's weights disagrees with them (_StaleRollout, before any optimizer step), with a forward.
+        rng = torch.get_rng_state()  # a retry shuffles the mini-batches as the first try did
         for reuse in ((True, False) if reuse else (False,)):
+            torch.set_rng_state(rng)
             old_logprobs, values, ref_logprobs, kl = self._old_and_ref(batch, reuse)
             mismatch = {}
             if batch.logprobs is not None and not reuse:
