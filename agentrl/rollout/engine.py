@@ -10,6 +10,7 @@ turns are never re-rendered (chat environments hand over only the template's tex
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -17,6 +18,8 @@ import torch
 
 from agentrl.envs.base import Environment
 from agentrl.rollout.sampling import SamplingParams, sample_batch
+
+STEP_WORKERS = 16  # threads stepping environments that allow it (concurrent_steps)
 
 
 @dataclass
@@ -99,7 +102,9 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
         samples = sample_batch(model, contexts, params, tokenizer.eos_token_id, tokenizer.pad_token_id,
                                tokenizer=tokenizer, stop_patterns=stop_patterns, generator=generator,
                                value_head=value_head)
-        for i, sample in zip(live, samples):
+        actions = [tokenizer.decode(sample.ids, skip_special_tokens=skip_special) for sample in samples]
+        results = _step_all([envs[i] for i in live], actions)
+        for i, sample, result in zip(live, samples, results):
             ep = episodes[i]
             ep.token_ids += sample.ids
             ep.loss_mask += [1] * len(sample.ids)
@@ -108,8 +113,6 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
                 ep.values += sample.values
             ep.turn_ends.append(len(ep.token_ids) - 1)
             ep.truncated |= sample.finish == "length"
-            action = tokenizer.decode(sample.ids, skip_special_tokens=skip_special)
-            result = envs[i].step(action)
             ep.turn_rewards.append(float(result.reward))
             ep.info = result.info
             # EOS ends the episode, whatever the environment would allow, unless the environment says its
@@ -127,6 +130,16 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
             ep.messages, ep.tools = list(env.messages), getattr(env, "schemas", None)
             ep.chat_template_kwargs = getattr(env, "chat_template_kwargs", None) or None
     return episodes
+
+
+def _step_all(envs: list, actions: list[str]) -> list:
+    """env.step(action) for every live episode of a turn. Environments that declare `concurrent_steps = True`
+    (ToolEnv: its tools may wait on I/O, a network search, a subprocess) are stepped from a thread pool, so a
+    batch's tool calls overlap instead of running one after the other; results keep their order."""
+    if len(envs) > 1 and getattr(envs[0], "concurrent_steps", False):
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(STEP_WORKERS, len(envs))) as pool:
+            return list(pool.map(lambda env, action: env.step(action), envs, actions))
+    return [env.step(action) for env, action in zip(envs, actions)]
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:

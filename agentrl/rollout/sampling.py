@@ -91,7 +91,11 @@ def sample_batch(
     if params.top_p < 1.0:
         warpers.append(TopPLogitsWarper(params.top_p))
 
-    input_ids, attention_mask = _left_pad(contexts, pad_token_id, device)
+    # Identical contexts (GRPO's num_generations copies of a prompt) are prefilled once; their KV cache is then
+    # copied to every row that shares it.
+    distinct: dict[tuple, int] = {}
+    row_of = [distinct.setdefault(tuple(c), len(distinct)) for c in contexts]
+    input_ids, attention_mask = _left_pad([list(c) for c in distinct], pad_token_id, device)
     positions = position_ids(attention_mask)
     cache = DynamicCache()
     B = len(contexts)
@@ -104,9 +108,15 @@ def sample_batch(
         extra["output_hidden_states"] = True
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                 use_cache=True, **{cache_kw: cache}, **extra)
+    last_logits, last_hidden = out.logits[:, -1], out.hidden_states[-1][:, -1] if value_head is not None else None
+    if len(distinct) < B:
+        rows = torch.tensor(row_of, device=device)
+        cache.batch_select_indices(rows)
+        attention_mask, positions, last_logits = attention_mask[rows], positions[rows], last_logits[rows]
+        last_hidden = last_hidden[rows] if last_hidden is not None else None
     next_pos = positions[:, -1:] + 1
     for n_new in range(params.max_new_tokens):
-        logits = out.logits[:, -1, :].float() / params.temperature  # (B, V)
+        logits = last_logits.float() / params.temperature  # (B, V)
         if n_new < params.min_new_tokens:
             logits[:, eos_token_id] = float("-inf")
         logprobs_all = torch.log_softmax(logits, dim=-1)
@@ -121,8 +131,7 @@ def sample_batch(
         # One device-to-host copy per step, not one per row.
         token_list, logprob_list = tokens.tolist(), token_logprobs.tolist()
         if value_head is not None:  # (B,) values of the positions that predict these tokens
-            hidden = out.hidden_states[-1][:, -1]
-            value_list = value_head(hidden.to(value_head.summary.weight.device)).float().tolist()
+            value_list = value_head(last_hidden.to(value_head.summary.weight.device)).float().tolist()
         for i in torch.nonzero(active).flatten().tolist():
             s = samples[i]
             s.ids.append(token_list[i])
@@ -139,5 +148,6 @@ def sample_batch(
         attention_mask = torch.cat([attention_mask, active.long()[:, None]], dim=1)
         out = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_pos,
                     use_cache=True, **{cache_kw: cache}, **extra)
+        last_logits, last_hidden = out.logits[:, -1], out.hidden_states[-1][:, -1] if value_head is not None else None
         next_pos = next_pos + 1
     return samples
