@@ -17,9 +17,12 @@ from typing import Callable
 import torch
 
 from agentrl.envs.base import Environment
-from agentrl.rollout.sampling import SamplingParams, sample_batch
+from agentrl.rollout.sampling import KVState, SamplingParams, sample_batch
 
 STEP_WORKERS = 16  # threads stepping environments that allow it (concurrent_steps)
+# Later turns run only their new tokens on the KV cache of the earlier ones (sample_batch(kv=...)) instead of
+# re-prefilling prompt and history; False re-prefills (the same numbers up to float rounding).
+REUSE_KV = True
 
 
 @dataclass
@@ -94,14 +97,19 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
                                 values=[] if value_head is not None else None))
     max_turns = envs[0].max_turns if envs else 0
     stop_patterns = tuple(envs[0].stop_patterns) if envs else ()
+    kv, cached, previous = (KVState() if REUSE_KV else None), [0] * len(episodes), []
     for turn in range(max_turns):
         live = [i for i, ep in enumerate(episodes) if not ep.done]
         if not live:
             break
         contexts = [episodes[i].prompt_ids + episodes[i].token_ids for i in live]
+        if kv is not None and kv.cache is not None:  # only what the cache lacks: last sampled token, observation
+            kv.select([previous.index(i) for i in live])
+            contexts = [c[cached[i]:] for i, c in zip(live, contexts)]
         samples = sample_batch(model, contexts, params, tokenizer.eos_token_id, tokenizer.pad_token_id,
                                tokenizer=tokenizer, stop_patterns=stop_patterns, generator=generator,
-                               value_head=value_head)
+                               value_head=value_head, kv=kv)
+        previous = live
         actions = [tokenizer.decode(sample.ids, skip_special_tokens=skip_special) for sample in samples]
         results = _step_all([envs[i] for i in live], actions)
         for i, sample, result in zip(live, samples, results):
@@ -112,6 +120,7 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
             if ep.values is not None:
                 ep.values += sample.values
             ep.turn_ends.append(len(ep.token_ids) - 1)
+            cached[i] = len(ep.prompt_ids) + len(ep.token_ids) - 1  # all but the last sampled token are in kv
             ep.truncated |= sample.finish == "length"
             ep.turn_rewards.append(float(result.reward))
             ep.info = result.info

@@ -61,6 +61,21 @@ def _left_pad(contexts: list[list[int]], pad_id: int, device) -> tuple[torch.Ten
     return ids.to(device), mask.to(device)
 
 
+@dataclass
+class KVState:
+    """The KV cache a multi-turn rollout carries from one turn to the next (`sample_batch(kv=...)`): each row's
+    tokens so far, except its last sampled token (never fed), with holes (mask 0) where a row waited."""
+
+    cache: DynamicCache | None = None
+    attention_mask: torch.Tensor | None = None  # (B, L) 1 on the real tokens in the cache
+
+    def select(self, rows: list[int]) -> None:
+        """Keep rows `rows` (the episodes still running), in that order."""
+        index = torch.tensor(rows, device=self.attention_mask.device)
+        self.cache.batch_select_indices(index)
+        self.attention_mask = self.attention_mask[index]
+
+
 @torch.no_grad()
 def sample_batch(
     model: torch.nn.Module,
@@ -72,12 +87,16 @@ def sample_batch(
     stop_patterns: tuple[str, ...] = (),
     generator: torch.Generator | None = None,
     value_head: torch.nn.Module | None = None,
+    kv: KVState | None = None,
 ) -> list[Sample]:
     """Continue each context until EOS, a stop pattern in this turn's text, or `max_new_tokens`.
 
     contexts: B lists of token ids (left-padded here). Stop patterns need `tokenizer` to decode.
     value_head: PPO's value head, read on the last hidden state that predicts each sampled token, so the
     trainer needs no separate forward for the values of the rollout (`Sample.values`).
+    kv: with a cache in it, `contexts` are only each row's new tokens (its last sampled token, then what the
+    environment appended), run on top of that cache instead of re-prefilling the whole context; either way
+    the cache of this call is left in it for the next turn.
     """
     if not contexts:
         return []
@@ -91,13 +110,17 @@ def sample_batch(
     if params.top_p < 1.0:
         warpers.append(TopPLogitsWarper(params.top_p))
 
+    resume = kv is not None and kv.cache is not None
     # Identical contexts (GRPO's num_generations copies of a prompt) are prefilled once; their KV cache is then
     # copied to every row that shares it.
     distinct: dict[tuple, int] = {}
-    row_of = [distinct.setdefault(tuple(c), len(distinct)) for c in contexts]
-    input_ids, attention_mask = _left_pad([list(c) for c in distinct], pad_token_id, device)
+    row_of = [distinct.setdefault(tuple(c), len(distinct)) for c in contexts] if not resume else []
+    input_ids, attention_mask = _left_pad(contexts if resume else [list(c) for c in distinct], pad_token_id, device)
     positions = position_ids(attention_mask)
-    cache = DynamicCache()
+    cache = kv.cache if resume else DynamicCache()
+    if resume:  # the new tokens continue each row's positions; the mask covers the cache, then them
+        positions = positions + kv.attention_mask.sum(-1, keepdim=True)
+        attention_mask = torch.cat([kv.attention_mask, attention_mask], dim=1)
     B = len(contexts)
     samples = [Sample([], [], "length", [] if value_head is not None else None) for _ in range(B)]
     active = torch.ones(B, dtype=torch.bool, device=device)
@@ -109,7 +132,7 @@ def sample_batch(
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                 use_cache=True, **{cache_kw: cache}, **extra)
     last_logits, last_hidden = out.logits[:, -1], out.hidden_states[-1][:, -1] if value_head is not None else None
-    if len(distinct) < B:
+    if not resume and len(distinct) < B:
         rows = torch.tensor(row_of, device=device)
         cache.batch_select_indices(rows)
         attention_mask, positions, last_logits = attention_mask[rows], positions[rows], last_logits[rows]
@@ -142,7 +165,7 @@ def sample_batch(
                 s.finish, active[i] = "eos", False
             elif compiled and any(p.search(tokenizer.decode(s.ids)) for p in compiled):
                 s.finish, active[i] = "stop", False
-        if not active.any():
+        if not active.any() or n_new == params.max_new_tokens - 1:  # the last tokens are not fed: nothing reads it
             break
         tokens = torch.where(active, tokens, torch.full_like(tokens, pad_token_id))
         attention_mask = torch.cat([attention_mask, active.long()[:, None]], dim=1)
@@ -150,4 +173,6 @@ def sample_batch(
                     use_cache=True, **{cache_kw: cache}, **extra)
         last_logits, last_hidden = out.logits[:, -1], out.hidden_states[-1][:, -1] if value_head is not None else None
         next_pos = next_pos + 1
+    if kv is not None:
+        kv.cache, kv.attention_mask = cache, attention_mask
     return samples

@@ -169,3 +169,32 @@ def test_sampler_shares_identical_prompts_and_reads_values():
         span = slice(len(c) - 1, len(c) - 1 + len(s.ids))
         assert torch.allclose(logprobs[i, span], torch.tensor(s.logprobs), atol=1e-5)
         assert torch.allclose(values[i, span], torch.tensor(s.values), atol=1e-5)
+
+
+@pytest.mark.parametrize("reuse_kv", [True, False])
+def test_multi_turn_rollout_on_the_kv_cache_keeps_exact_logprobs(tiny_base, monkeypatch, reuse_kv):
+    """Later turns run on the cache of the earlier ones (holes where rows waited, observations appended): the
+    sampler's logprobs are still those of one forward over the whole episode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import agentrl.rollout.engine as engine
+    from agentrl.envs import CalculatorEnv, calculator_tasks
+    from agentrl.rollout import SamplingParams, rollout
+    from agentrl.trainers.common import episodes_to_batch
+
+    monkeypatch.setattr(engine, "REUSE_KV", reuse_kv)
+
+    class ForcedCall(CalculatorEnv):  # a tool call in the first turn of every other episode
+        def step(self, action):
+            if self._turns == 0 and int(self._task["answer"]) % 2:
+                action = "Action: calculator(2 + 3)\n"
+            return super().step(action)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_base).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_base)
+    episodes = rollout(model, tok, ForcedCall, calculator_tasks(8, seed=1, split="eval"),
+                       SamplingParams(max_new_tokens=10), generator=torch.Generator().manual_seed(0))
+    assert any(ep.num_turns > 1 for ep in episodes)
+    batch = episodes_to_batch(episodes, tok.pad_token_id)
+    recomputed = lm_logprobs(model, batch, 1.0)
+    assert ((recomputed - batch.logprobs).abs() * batch.loss_mask).max() < 1e-4
