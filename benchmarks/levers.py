@@ -2,6 +2,7 @@
 
     python benchmarks/levers.py --task ppo  [--steps 3] [--set reuse_rollout_logprobs=false] [--bf16]
     python benchmarks/levers.py --task grpo|dpo ...
+    python benchmarks/levers.py --task rollout --model-dir runs/base-model [--no-kv-reuse]   # multi-turn
 
 The model is a randomly initialised Llama of 26 M parameters (hidden 512, 8 layers, 8 heads, MLP 1376) on the
 embedded tokenizer, LoRA r 16 on q_proj/v_proj; it is built once (seeded) under --model-dir and reused, so every
@@ -76,7 +77,7 @@ def parse_sets(sets: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--task", choices=("ppo", "grpo", "dpo"), required=True)
+    parser.add_argument("--task", choices=("ppo", "grpo", "dpo", "rollout"), required=True)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--model-dir", default="/work/scratch/issue15b/llama26m")
     parser.add_argument("--tokenizer", default="/work/scratch/issue15b/tok")
@@ -86,12 +87,17 @@ def main() -> None:
                         help="turn the response-only logprob path off (full (B, T, V) logits, as before)")
     parser.add_argument("--no-shared-prefix", action="store_true",
                         help="turn prompt sharing off (GRPO groups, DPO pairs run their prompt once per row)")
+    parser.add_argument("--no-kv-reuse", action="store_true", help="re-prefill every turn (rollout)")
     parser.add_argument("--pairs", type=int, default=256, help="DPO pairs (16 a step: 32 puts step 3 in epoch 2)")
     args = parser.parse_args()
     import agentrl.trainers.common as common
 
     if args.full_logits and hasattr(common, "_output_head"):
         common._output_head = lambda *a, **k: None
+    if args.no_kv_reuse:
+        import agentrl.rollout.engine as engine
+
+        engine.REUSE_KV = False
     if args.no_shared_prefix and hasattr(common, "shared_prefix_logprobs"):
         common.shared_prefix_logprobs = lambda *a, **k: None
     model_dir = Path(args.model_dir)
@@ -146,6 +152,17 @@ def main() -> None:
         extra = {"rollout_s": statistics.median(h["time/rollout"] for h in history[1:]),
                  "update_s": statistics.median(h["time/update"] for h in history[1:]),
                  "mean_response_length": history[-1]["env/mean_response_length"]}
+    elif args.task == "rollout":  # multi-turn episodes (a trained model calls the tool): 64 of CalculatorEnv
+        from agentrl.rollout import rollout
+
+        model = lora_model(model_dir).eval()
+        for step in range(args.steps + 1):
+            clock.start()
+            episodes = rollout(model, tok, CalculatorEnv, tasks[step * 64:(step + 1) * 64], SamplingParams(max_new_tokens=48),
+                               generator=torch.Generator().manual_seed(step))
+            clock.stop(keep=step > 0)
+        extra = {"mean_turns": sum(ep.num_turns for ep in episodes) / len(episodes),
+                 "tokens_per_episode": sum(len(ep.token_ids) for ep in episodes) / len(episodes)}
     else:
         from agentrl.preferences import PreferenceExample
         from agentrl.trainers.dpo import DPOConfig, DPOTrainer

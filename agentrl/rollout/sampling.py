@@ -173,6 +173,7 @@ def sample_batch(
                     use_cache=True, **{cache_kw: cache}, **extra)
         last_logits, last_hidden = out.logits[:, -1], out.hidden_states[-1][:, -1] if value_head is not None else None
         next_pos = next_pos + 1
-    if kv is not None:
-        kv.cache, kv.attention_mask = cache, attention_mask
+    if kv is not None:  # a model that keeps no cache in it (a scripted test policy) re-prefills every turn
+        filled = cache.get_seq_length() == attention_mask.shape[1]
+        kv.cache, kv.attention_mask = (cache, attention_mask) if filled else (None, None)
     return samples
