@@ -3,6 +3,7 @@
     python benchmarks/levers.py --task ppo  [--steps 3] [--set reuse_rollout_logprobs=false] [--bf16]
     python benchmarks/levers.py --task grpo|dpo ...
     python benchmarks/levers.py --task rollout --model-dir runs/base-model [--no-kv-reuse]   # multi-turn
+    python benchmarks/levers.py --task ppo-agent --model-dir runs/base-model [--no-bucketing]   # ragged episodes
 
 The model is a randomly initialised Llama of 26 M parameters (hidden 512, 8 layers, 8 heads, MLP 1376) on the
 embedded tokenizer, LoRA r 16 on q_proj/v_proj; it is built once (seeded) under --model-dir and reused, so every
@@ -77,7 +78,7 @@ def parse_sets(sets: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--task", choices=("ppo", "grpo", "dpo", "rollout"), required=True)
+    parser.add_argument("--task", choices=("ppo", "grpo", "dpo", "rollout", "ppo-agent"), required=True)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--model-dir", default="/work/scratch/issue15b/llama26m")
     parser.add_argument("--tokenizer", default="/work/scratch/issue15b/tok")
@@ -87,6 +88,7 @@ def main() -> None:
                         help="turn the response-only logprob path off (full (B, T, V) logits, as before)")
     parser.add_argument("--no-shared-prefix", action="store_true",
                         help="turn prompt sharing off (GRPO groups, DPO pairs run their prompt once per row)")
+    parser.add_argument("--no-bucketing", action="store_true", help="one forward per mini-batch, however ragged")
     parser.add_argument("--no-kv-reuse", action="store_true", help="re-prefill every turn (rollout)")
     parser.add_argument("--pairs", type=int, default=256, help="DPO pairs (16 a step: 32 puts step 3 in epoch 2)")
     args = parser.parse_args()
@@ -94,6 +96,8 @@ def main() -> None:
 
     if args.full_logits and hasattr(common, "_output_head"):
         common._output_head = lambda *a, **k: None
+    if args.no_bucketing and hasattr(common, "BUCKET_MIN_SAVING"):
+        common.BUCKET_MIN_SAVING = 1.0
     if args.no_kv_reuse:
         import agentrl.rollout.engine as engine
 
@@ -152,6 +156,19 @@ def main() -> None:
         extra = {"rollout_s": statistics.median(h["time/rollout"] for h in history[1:]),
                  "update_s": statistics.median(h["time/update"] for h in history[1:]),
                  "mean_response_length": history[-1]["env/mean_response_length"]}
+    elif args.task == "ppo-agent":  # the quickstart's PPO (agent loop, ragged multi-turn episodes)
+        from agentrl.trainers.ppo import PPOConfig, PPOTrainer
+
+        cfg = PPOConfig(batch_size=64, mini_batch_size=32, ppo_epochs=2, learning_rate=5e-4, adap_kl_ctrl=False,
+                        init_kl_coef=0.05, **overrides)
+        trainer = PPOTrainer(cfg, lora_model(model_dir), None, tok)
+        for step in range(args.steps + 1):
+            clock.start()
+            stats = trainer.train(CalculatorEnv, tasks, steps=1, sampling=SamplingParams(max_new_tokens=48),
+                                  progress=False)[-1]
+            clock.stop(keep=step > 0)
+        extra = {"update_s": stats["time/ppo/total"], "rollout_s": stats["time/rollout"],
+                 "mean_turns": stats["env/mean_turns"]}
     elif args.task == "rollout":  # multi-turn episodes (a trained model calls the tool): 64 of CalculatorEnv
         from agentrl.rollout import rollout
 

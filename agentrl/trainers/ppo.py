@@ -33,7 +33,7 @@ from agentrl.models.value_head import AutoModelForCausalLMWithValueHead, create_
 from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams, sample_batch
 from agentrl.samples import SamplesLog
-from agentrl.trainers.common import (MetricsLog, TokenBatch, build_batch, check_batch, episodes_to_batch,
+from agentrl.trainers.common import (MetricsLog, TokenBatch, build_batch, by_length, check_batch, episodes_to_batch,
                                      finite_or_raise, guarded_step, lm_logprobs, load_trainer_state, logprob_mismatch,
                                      norm_gain_parameters, optimizer_groups, policy_forward, position_ids,
                                      progress_bar, response_logprobs, resumed_cycler, resumed_metrics,
@@ -549,9 +549,11 @@ class PPOTrainer:
         model allows (response_logprobs), else the full forward."""
         fast = self._fast_lm()
         if fast is not None:
-            out = response_logprobs(fast[0], batch, self.config.temperature, with_entropy=True, value_head=fast[1],
-                                    entropy_grad=entropy_grad)
-            if out is not None:
+            # Rows of similar length forward together (by_length): episodes of an agent loop vary a lot.
+            out = by_length(lambda b: response_logprobs(fast[0], b, self.config.temperature, with_entropy=True,
+                                                        value_head=fast[1], entropy_grad=entropy_grad) or (None,) * 3,
+                            batch)
+            if out[0] is not None:
                 return out[0], out[2], out[1], None
         logprobs, values, _, logits = policy_forward(self.model, batch, self.config.temperature)
         return logprobs, values, None, logits
