@@ -345,6 +345,8 @@ def shared_prefix_logprobs(model, batch: TokenBatch, temperature: float, with_en
     kw = cache_kwarg(model)
     out = model(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=position_ids(prefix_mask),
                 use_cache=True, output_hidden_states=True, logits_to_keep=1, **{kw: cache})
+    if cache.get_seq_length() != width:  # the model kept no cache (gradient checkpointing turns it off)
+        return None
     rm = torch.tensor(row_map, device=device)
     last = out.hidden_states[-1][:, -1][rm]  # (B, H)
     cache.batch_select_indices(rm)  # (U, ...) -> (B, ...): differentiable indexing of each layer's K and V
