@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 
-def build_model(model_dir: Path, tokenizer_dir: str) -> None:
+def build_model(model_dir: Path, tokenizer_dir: str, vocab: int | None = None) -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     if (model_dir / "config.json").exists():
@@ -35,7 +35,7 @@ def build_model(model_dir: Path, tokenizer_dir: str) -> None:
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tok), hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+        vocab_size=vocab or len(tok), hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
         intermediate_size=1376, max_position_embeddings=256, tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
     model.save_pretrained(model_dir)
@@ -90,6 +90,8 @@ def main() -> None:
                         help="turn prompt sharing off (GRPO groups, DPO pairs run their prompt once per row)")
     parser.add_argument("--no-bucketing", action="store_true", help="one forward per mini-batch, however ragged")
     parser.add_argument("--no-kv-reuse", action="store_true", help="re-prefill every turn (rollout)")
+    parser.add_argument("--vocab", type=int, default=None,
+                        help="a vocabulary this large (151936: Qwen's) instead of the tokenizer's 322; its own model dir")
     parser.add_argument("--pairs", type=int, default=256, help="DPO pairs (16 a step: 32 puts step 3 in epoch 2)")
     args = parser.parse_args()
     import agentrl.trainers.common as common
@@ -104,8 +106,8 @@ def main() -> None:
         engine.REUSE_KV = False
     if args.no_shared_prefix and hasattr(common, "shared_prefix_logprobs"):
         common.shared_prefix_logprobs = lambda *a, **k: None
-    model_dir = Path(args.model_dir)
-    build_model(model_dir, args.tokenizer)
+    model_dir = Path(args.model_dir + (f"-v{args.vocab}" if args.vocab else ""))
+    build_model(model_dir, args.tokenizer, args.vocab)
 
     from transformers import AutoTokenizer
 
