@@ -30,7 +30,7 @@ import common  # noqa: E402
 MODELS = {"embedded": "embedded 150 K", "26m": "Llama 26 M"}
 # (untimed warm-up steps, timed steps) per process. One 26 M PPO step is ~25 CPU seconds (minutes of wall clock
 # on a busy shared machine), so it is timed from its first step: one-time set-up costs count on both sides.
-STEPS = {("ppo", "embedded"): (1, 3), ("grpo", "embedded"): (1, 4), ("dpo", "embedded"): (1, 8),
+STEPS = {("ppo", "embedded"): (1, 2), ("grpo", "embedded"): (1, 3), ("dpo", "embedded"): (1, 5),
          ("ppo", "26m"): (0, 1), ("grpo", "26m"): (1, 1), ("dpo", "26m"): (1, 3)}
 LLAMA_26M = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
              "intermediate_size": 1408, "max_position_embeddings": 256}
