@@ -110,9 +110,10 @@ class Checkpoints:
         if step % self.every == 0:
             t = time.perf_counter()
             model.save_pretrained(self.out / f"step-{step}")
-            self.rows.append({"step": step, "train_s": t - self.start - self.paused})
+            self.rows.append({"step": step, "train_s": t - self.start - self.paused,
+                              "train_cpu_s": sum(self.clock.cpu_steps)})
             self.paused += time.perf_counter() - t
-            self.clock.last = time.perf_counter()
+            self.clock.last, self.clock.last_cpu = time.perf_counter(), time.process_time()
 
 
 def train_agentrl(args, out: Path) -> dict:
@@ -136,7 +137,7 @@ def train_agentrl(args, out: Path) -> dict:
                   calculator_tasks(s["train_tasks"], seed=0), steps=args.steps,
                   sampling=SamplingParams(max_new_tokens=s["max_new_tokens_per_turn"]), progress=False,
                   callback=lambda step, stats: ckpt.after_step(step, trainer.policy))
-    return {"steps": ckpt.clock.steps, "checkpoints": ckpt.rows}
+    return {"steps": ckpt.clock.steps, "cpu_steps": ckpt.clock.cpu_steps, "checkpoints": ckpt.rows}
 
 
 def train_trl(args, out: Path) -> dict:
@@ -183,7 +184,7 @@ def train_trl(args, out: Path) -> dict:
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tok,
                               tools=[calculator], callbacks=[Clock()], optimizers=(optimizer(model), None))
         trainer.train()
-    return {"steps": ckpt.clock.steps, "checkpoints": ckpt.rows}
+    return {"steps": ckpt.clock.steps, "cpu_steps": ckpt.clock.cpu_steps, "checkpoints": ckpt.rows}
 
 
 def evaluate(model_dir: str, adapter: str | None, n: int, seed: int = 0) -> float:
@@ -240,6 +241,7 @@ def main() -> None:
     parser.add_argument("--eval-tasks", type=int, default=100)
     parser.add_argument("--target", type=float, default=0.7, help="held-out sampled accuracy to reach")
     parser.add_argument("--work-dir", default="runs/agent-task")
+    parser.add_argument("--sides", default="agentrl,trl", help="which sides to train (comma-separated)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.side:
@@ -252,7 +254,9 @@ def main() -> None:
                TRL_EXPERIMENTAL_SILENCE="1", PYTHONPATH=str(ROOT))  # both import the same tool function
     print(f"load average before: {os.getloadavg()}", flush=True)
     sides = {}
-    for side, python in (("agentrl", sys.executable), ("trl", str(Path(args.peers_dir).resolve() / "trl116/bin/python"))):
+    pythons = {"agentrl": sys.executable, "trl": str(Path(args.peers_dir).resolve() / "trl116/bin/python")}
+    for side in args.sides.split(","):
+        python = pythons[side]
         cmd = [python, str(Path(__file__).resolve()), "--side", side, "--out", str(work / side), "--model", str(model),
                "--steps", str(args.steps), "--eval-every", str(args.eval_every)]
         started = time.time()
@@ -275,11 +279,16 @@ def main() -> None:
             continue
         for row in r["checkpoints"]:
             row["accuracy"] = evaluate(str(model), str(work / side / f"step-{row['step']}"), args.eval_tasks)
-            print(f"  {side} step {row['step']:3d}: {row['train_s']:7.1f} s of training, held-out sampled accuracy "
+            print(f"  {side} step {row['step']:3d}: {row['train_s']:7.1f} s ({row['train_cpu_s']:7.1f} CPU s) of training, "
+                  f"held-out sampled accuracy "
                   f"{row['accuracy']:.3f}", flush=True)
         hit = [row for row in r["checkpoints"] if row["accuracy"] >= args.target]
         r["time_to_target_s"] = hit[0]["train_s"] if hit else None
+        r["cpu_time_to_target_s"] = hit[0]["train_cpu_s"] if hit else None
         r["s_per_step"] = statistics.median(r["steps"])
+        r["cpu_s_per_step"] = statistics.median(r["cpu_steps"])
+        print(f"{side}: time to {args.target}: {r['time_to_target_s']} s of training; median {r['s_per_step']:.2f} s/step, "
+              f"{r['cpu_s_per_step']:.2f} CPU s/step", flush=True)
     print(f"load average after: {os.getloadavg()}", flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
