@@ -42,6 +42,19 @@ def wait_for_everyone() -> None:
 # helpers below make the statistics and normalisers of a step global. With one process they are never called,
 # so single-process numbers stay exactly what they were.
 
+def finish_trackers(accelerator) -> None:
+    """Flush and close the trackers' files: the first half of accelerator.end_training(), whose second half
+    destroys the process group that the job's saving, evaluation and next rounds still need."""
+    for tracker in accelerator.trackers:
+        tracker.finish()
+
+
+def end_processes() -> None:
+    """The end of a job: every process waits for the main one (still writing), then the group is closed."""
+    wait_for_everyone()
+    partial_state().destroy_process_group()
+
+
 def make_accelerator(**kwargs):
     """An Accelerator on the process group of partial_state() (the CPU under torchrun without a GPU)."""
     from accelerate import Accelerator

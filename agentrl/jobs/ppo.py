@@ -67,7 +67,7 @@ def run_job(config: JobConfig) -> dict:
     import torch
 
     from agentrl.checkpoint import Checkpointer, cached_eval, open_run, run_config, write_json
-    from agentrl.distributed import is_main_process, partial_state, wait_for_everyone, world_banner
+    from agentrl.distributed import end_processes, finish_trackers, is_main_process, partial_state, world_banner
     from agentrl.rollout.sampling import SamplingParams
     from agentrl.trainers.grpo import GRPOTrainer
     from agentrl.trainers.ppo import PPOTrainer
@@ -126,12 +126,12 @@ def run_job(config: JobConfig) -> dict:
                           metrics_path=str(out / "metrics.jsonl"), progress=config.progress, score_hook=score_hook,
                           checkpointer=checkpointer)
         ppo_seconds = time.time() - ppo_started
-        trainer.accelerator.end_training()  # flush and close the trackers' files
+        finish_trackers(trainer.accelerator)
         adapter_dir = out / ("adapter" if config.model.lora else "model")
         trainer.save_pretrained(str(adapter_dir))
         after = cached_eval(out, "after", fingerprint, lambda: run.evaluate_both(trainer.policy, algo_config.temperature))
     if not is_main_process():  # the main process evaluates and writes the summary; the others are done
-        wait_for_everyone()
+        end_processes()
         return None
     summary = {
         "before": before["greedy"], "after": after["greedy"],
@@ -144,7 +144,7 @@ def run_job(config: JobConfig) -> dict:
         "base_model_dir": str(run.base_dir), "adapter_dir": str(adapter_dir), "config": summary_config(config),
     }
     write_json(out / "summary.json", summary)
-    wait_for_everyone()
+    end_processes()
     return summary
 
 
