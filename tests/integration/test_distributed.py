@@ -5,6 +5,7 @@ The two-process side runs under `torchrun`, as users launch it; the one-process 
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,13 +18,23 @@ sys.path.insert(0, str(Path(__file__).parent))
 import dist_worker  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN = ["torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
-def torchrun(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+def accelerate_launch() -> list[str]:
+    """`accelerate launch` with the shipped 2-process CPU config, on a free port (others may hold 29500)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return ["accelerate.commands.launch", "--config_file", "configs/accelerate/multi_cpu.yaml",
+            "--main_process_port", str(port)]
+
+
+def launch(launcher: list[str], args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run([sys.executable, "-m", *launcher, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
@@ -31,7 +42,7 @@ def torchrun(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess
 @pytest.fixture(scope="module")
 def two_process_updates(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    torchrun([str(Path(dist_worker.__file__)), str(out)])
+    launch(TORCHRUN, [str(Path(dist_worker.__file__)), str(out)])
     return out
 
 
@@ -70,19 +81,20 @@ def test_grpo_update_split_over_two_processes_equals_one(two_process_updates):
 
 
 @pytest.mark.slow
-def test_two_process_ppo_job_learns_and_writes_once(tiny_base, tmp_path):
-    """`torchrun -m agentrl.cli ppo`: one summary, one metrics row per step, and the tool-call rate rises."""
+def test_two_process_ppo_job_learns_and_writes_once(embedded_base, tmp_path):
+    """`accelerate launch --config_file configs/accelerate/multi_cpu.yaml -m agentrl.cli ppo` (the equivalence
+    tests above use torchrun): one summary, one metrics row per step, and the tool-call rate rises."""
     out = tmp_path / "run"
-    done = torchrun(["-m", "agentrl.cli", "ppo", "--config", "quickstart", f"model.base={tiny_base}",
-                     f"out_dir={out}", "steps=6", "ppo.batch_size=16", "ppo.mini_batch_size=16", "ppo.ppo_epochs=2",
-                     "ppo.learning_rate=0.003", "env.eval_tasks=16", "env.train_tasks=400", "progress=false",
-                     "checkpoint_every=3"])
+    done = launch(accelerate_launch(), ["-m", "agentrl.cli", "ppo", "--config", "quickstart",
+                                        f"model.base={embedded_base}", f"out_dir={out}", "steps=8",
+                                        "ppo.batch_size=32", "ppo.mini_batch_size=16", "env.eval_tasks=16",
+                                        "progress=false", "checkpoint_every=4"])
     assert done.stdout.count("world size 2 (MULTI_CPU)") == 1
     assert done.stdout.count("held-out tasks") == 1  # one summary printed
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert [r["step"] for r in rows] == list(range(1, 9))
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["num_processes"] == 2 and summary["episodes"] == 6 * 32
-    rates = [r["env/tool_call_rate"] for r in rows]
-    assert sum(rates[-2:]) / 2 > sum(rates[:2]) / 2 + 0.1, rates
-    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000003", "step-000006"]
+    assert summary["num_processes"] == 2 and summary["episodes"] == 8 * 64
+    rates = [r["env/tool_call_rate"] for r in rows]  # over both ranks' 64 episodes a step
+    assert sum(rates[-2:]) / 2 > sum(rates[:2]) / 2 + 0.15, rates
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000004", "step-000008"]
