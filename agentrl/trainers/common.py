@@ -163,13 +163,16 @@ def trainer_state(trainer, **extra) -> dict:
     """
     from agentrl.checkpoint import file_size, rng_state, trainable_state
 
+    from agentrl.distributed import sharded
+
     accelerator = trainer.accelerator
     cycler = getattr(trainer, "cycler", None)
+    # One process or DDP: every rank holds the whole model and the same optimizer state.
+    model = None if sharded(accelerator) else trainable_state(accelerator.unwrap_model(trainer.model))
     if accelerator.num_processes == 1:
-        model, optimizer, rng = (trainable_state(accelerator.unwrap_model(trainer.model)),
-                                 trainer.optimizer.state_dict(), rng_state())
+        optimizer, rng = trainer.optimizer.state_dict(), rng_state()
     else:
-        model, optimizer, rng = _distributed_state(trainer)
+        model, optimizer, rng = _distributed_state(trainer, model)
     return {"model": model, "optimizer": optimizer, "accelerator_step": accelerator.step,
             "current_step": trainer.current_step, "rng": rng,
             "cycler": cycler.state_dict() if cycler is not None else None,
@@ -184,11 +187,12 @@ def _trainable_names(accelerator, model) -> list[str]:
     return [n.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "") for n in names]
 
 
-def _distributed_state(trainer) -> tuple[dict, dict, object]:
+def _distributed_state(trainer, model: dict | None) -> tuple[dict, dict, object]:
     """(trainable weights, optimizer state, RNG states of every rank) of a multi-process run.
 
-    Weights: accelerator.get_state_dict gathers the full tensors under FSDP and ZeRO-3 (a collective; under
-    ZeRO-3 it needs `stage3_gather_16bit_weights_on_model_save: true`, which the shipped config sets). The
+    Weights (`model`, None when sharded): accelerator.get_state_dict gathers the full tensors under FSDP and
+    ZeRO-3 (a collective; under ZeRO-3 it needs `stage3_gather_16bit_weights_on_model_save: true`, which the
+    shipped config sets); the value-head model's state_dict may spell LM keys without "pretrained_model.". The
     optimizer: under DDP every rank holds the same state; under FSDP torch's get_optimizer_state_dict gathers
     the full one; under DeepSpeed the engine owns it and it is not checkpointed (resume restarts the moments).
     RNGs: each rank's own (they were seeded differently), so a resumed run continues every rank's stream.
@@ -198,9 +202,13 @@ def _distributed_state(trainer) -> tuple[dict, dict, object]:
     from agentrl.checkpoint import rng_state
 
     accelerator = trainer.accelerator
-    full = accelerator.get_state_dict(trainer.model)
-    names = _trainable_names(accelerator, trainer.model)
-    model = {n: full[n] for n in names if n in full} if full is not None else {}
+    if model is None:
+        full = accelerator.get_state_dict(trainer.model) or {}
+        model = {}
+        for n in _trainable_names(accelerator, trainer.model):
+            key = n if n in full else n.removeprefix("pretrained_model.")
+            if key in full:
+                model[n] = full[key]
     if accelerator.distributed_type == DistributedType.FSDP:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 

@@ -868,7 +868,8 @@ class PPOTrainer:
 
                 from agentrl.models.value_head import VALUE_HEAD_FILE
 
-                lm = {k.removeprefix("pretrained_model."): v for k, v in full.items() if k.startswith("pretrained_model.")}
+                # (the value-head model's state_dict spells the LM's keys with or without "pretrained_model.")
+                lm = {k.removeprefix("pretrained_model."): v for k, v in full.items() if not k.startswith("v_head.")}
                 head = {k: v.contiguous() for k, v in full.items() if k.startswith("v_head.")}
                 model.pretrained_model.save_pretrained(tmp, state_dict=lm if self.is_peft_model else {**lm, **head})
                 save_file(head, str(Path(tmp) / VALUE_HEAD_FILE))
