@@ -202,7 +202,9 @@ _POOL: concurrent.futures.ThreadPoolExecutor | None = None  # shared: environmen
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
     global _POOL
     if _POOL is None:
-        _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="agentrl-tool")
+        # As many workers as the rollout steps environments at once (engine.STEP_WORKERS), so a call's timeout
+        # never counts time spent queued behind other episodes' calls.
+        _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="agentrl-tool")
     return _POOL
 
 
@@ -295,6 +297,9 @@ class ToolEnv:
         self.stop_patterns = (r"Action:[^\n]*\n",) if format == "react" else ()
         self.eos_ends_episode = True  # chat: unless EOS is the template's end of turn (set in bind_tokenizer)
         self.keep_special_tokens = format == "chat"  # chat turns are read with their turn-end marker
+        # The rollout steps a batch's environments from threads, so slow tools (I/O) overlap; not in chat
+        # format, whose step renders through the shared fast tokenizer (not safe to call from threads).
+        self.concurrent_steps = format == "react"
         self.chat = None
 
     @property

@@ -10,13 +10,19 @@ turns are never re-rendered (chat environments hand over only the template's tex
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from agentrl.envs.base import Environment
-from agentrl.rollout.sampling import SamplingParams, sample_batch
+from agentrl.rollout.sampling import KVState, SamplingParams, sample_batch
+
+STEP_WORKERS = 16  # threads stepping environments that allow it (concurrent_steps)
+# Later turns run only their new tokens on the KV cache of the earlier ones (sample_batch(kv=...)) instead of
+# re-prefilling prompt and history; False re-prefills (the same numbers up to float rounding).
+REUSE_KV = True
 
 
 @dataclass
@@ -26,6 +32,7 @@ class Episode:
     token_ids: list[int] = field(default_factory=list)  # actions and observations, after the prompt
     loss_mask: list[int] = field(default_factory=list)  # 1 sampled, 0 observation
     logprobs: list[float] = field(default_factory=list)  # sampling logprobs, 0.0 on observations
+    values: list[float] | None = None  # PPO's values at the positions predicting each token (rollout(value_head=))
     turn_ends: list[int] = field(default_factory=list)  # index in token_ids of each turn's last token
     turn_rewards: list[float] = field(default_factory=list)
     info: dict = field(default_factory=dict)
@@ -60,15 +67,21 @@ def rollout(
     params: SamplingParams,
     batch_size: int = 256,
     generator: torch.Generator | None = None,
+    value_head: torch.nn.Module | None = None,
 ) -> list[Episode]:
-    """Run one episode per task, all tasks batched turn by turn. Returns episodes in task order."""
+    """Run one episode per task, all tasks batched turn by turn. Returns episodes in task order.
+
+    value_head: PPO's; each episode then keeps the values the sampler read (`Episode.values`, 0.0 on
+    observation tokens), so the trainer needs no forward pass for them.
+    """
     episodes: list[Episode] = []
     for start in range(0, len(tasks), batch_size):
-        episodes.extend(_rollout_chunk(model, tokenizer, env_factory, tasks[start:start + batch_size], params, generator))
+        episodes.extend(_rollout_chunk(model, tokenizer, env_factory, tasks[start:start + batch_size], params, generator,
+                                       value_head))
     return episodes
 
 
-def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator) -> list[Episode]:
+def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, value_head=None) -> list[Episode]:
     envs = [env_factory() for _ in tasks]
     for env in envs:
         if hasattr(env, "bind_tokenizer"):  # environments that render through the tokenizer (chat format)
@@ -80,25 +93,35 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator) -> l
     episodes = []
     for env, task in zip(envs, tasks):
         prompt = env.reset(task)
-        episodes.append(Episode(task=task, prompt_ids=encode_prompt(tokenizer, prompt)))
+        episodes.append(Episode(task=task, prompt_ids=encode_prompt(tokenizer, prompt),
+                                values=[] if value_head is not None else None))
     max_turns = envs[0].max_turns if envs else 0
     stop_patterns = tuple(envs[0].stop_patterns) if envs else ()
+    kv, cached, previous = (KVState() if REUSE_KV else None), [0] * len(episodes), []
     for turn in range(max_turns):
         live = [i for i, ep in enumerate(episodes) if not ep.done]
         if not live:
             break
         contexts = [episodes[i].prompt_ids + episodes[i].token_ids for i in live]
+        if kv is not None and kv.cache is not None:  # only what the cache lacks: last sampled token, observation
+            kv.select([previous.index(i) for i in live])
+            contexts = [c[cached[i]:] for i, c in zip(live, contexts)]
         samples = sample_batch(model, contexts, params, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                               tokenizer=tokenizer, stop_patterns=stop_patterns, generator=generator)
-        for i, sample in zip(live, samples):
+                               tokenizer=tokenizer, stop_patterns=stop_patterns, generator=generator,
+                               value_head=value_head, kv=kv)
+        previous = live
+        actions = [tokenizer.decode(sample.ids, skip_special_tokens=skip_special) for sample in samples]
+        results = _step_all([envs[i] for i in live], actions)
+        for i, sample, result in zip(live, samples, results):
             ep = episodes[i]
             ep.token_ids += sample.ids
             ep.loss_mask += [1] * len(sample.ids)
             ep.logprobs += sample.logprobs
+            if ep.values is not None:
+                ep.values += sample.values
             ep.turn_ends.append(len(ep.token_ids) - 1)
+            cached[i] = len(ep.prompt_ids) + len(ep.token_ids) - 1  # all but the last sampled token are in kv
             ep.truncated |= sample.finish == "length"
-            action = tokenizer.decode(sample.ids, skip_special_tokens=skip_special)
-            result = envs[i].step(action)
             ep.turn_rewards.append(float(result.reward))
             ep.info = result.info
             # EOS ends the episode, whatever the environment would allow, unless the environment says its
@@ -109,11 +132,23 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator) -> l
                 ep.token_ids += obs_ids
                 ep.loss_mask += [0] * len(obs_ids)
                 ep.logprobs += [0.0] * len(obs_ids)
+                if ep.values is not None:
+                    ep.values += [0.0] * len(obs_ids)
     for ep, env in zip(episodes, envs):  # so preference rows can be written as messages, not template text
         if getattr(env, "messages", None) is not None:
             ep.messages, ep.tools = list(env.messages), getattr(env, "schemas", None)
             ep.chat_template_kwargs = getattr(env, "chat_template_kwargs", None) or None
     return episodes
+
+
+def _step_all(envs: list, actions: list[str]) -> list:
+    """env.step(action) for every live episode of a turn. Environments that declare `concurrent_steps = True`
+    (ToolEnv: its tools may wait on I/O, a network search, a subprocess) are stepped from a thread pool, so a
+    batch's tool calls overlap instead of running one after the other; results keep their order."""
+    if len(envs) > 1 and getattr(envs[0], "concurrent_steps", False):
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(STEP_WORKERS, len(envs))) as pool:
+            return list(pool.map(lambda env, action: env.step(action), envs, actions))
+    return [env.step(action) for env, action in zip(envs, actions)]
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:

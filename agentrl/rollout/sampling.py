@@ -31,12 +31,19 @@ class Sample:
     ids: list[int]  # sampled token ids, EOS included when sampled
     logprobs: list[float]  # log pi(id | prefix) under logits / temperature
     finish: str  # "eos", "stop" (a stop pattern matched) or "length"
+    values: list[float] | None = None  # value_head's value at the position predicting each id (PPO), if asked
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
     """transformers 5.24 renamed `past_key_values` to `cache`; older models and releases keep the old name."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def keeps_logits(model: torch.nn.Module) -> bool:
+    """Whether the causal LM's forward takes `logits_to_keep` (logits of the last positions only)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -54,6 +61,21 @@ def _left_pad(contexts: list[list[int]], pad_id: int, device) -> tuple[torch.Ten
     return ids.to(device), mask.to(device)
 
 
+@dataclass
+class KVState:
+    """The KV cache a multi-turn rollout carries from one turn to the next (`sample_batch(kv=...)`): each row's
+    tokens so far, except its last sampled token (never fed), with holes (mask 0) where a row waited."""
+
+    cache: DynamicCache | None = None
+    attention_mask: torch.Tensor | None = None  # (B, L) 1 on the real tokens in the cache
+
+    def select(self, rows: list[int]) -> None:
+        """Keep rows `rows` (the episodes still running), in that order."""
+        index = torch.tensor(rows, device=self.attention_mask.device)
+        self.cache.batch_select_indices(index)
+        self.attention_mask = self.attention_mask[index]
+
+
 @torch.no_grad()
 def sample_batch(
     model: torch.nn.Module,
@@ -64,10 +86,17 @@ def sample_batch(
     tokenizer=None,
     stop_patterns: tuple[str, ...] = (),
     generator: torch.Generator | None = None,
+    value_head: torch.nn.Module | None = None,
+    kv: KVState | None = None,
 ) -> list[Sample]:
     """Continue each context until EOS, a stop pattern in this turn's text, or `max_new_tokens`.
 
     contexts: B lists of token ids (left-padded here). Stop patterns need `tokenizer` to decode.
+    value_head: PPO's value head, read on the last hidden state that predicts each sampled token, so the
+    trainer needs no separate forward for the values of the rollout (`Sample.values`).
+    kv: with a cache in it, `contexts` are only each row's new tokens (its last sampled token, then what the
+    environment appended), run on top of that cache instead of re-prefilling the whole context; either way
+    the cache of this call is left in it for the next turn.
     """
     if not contexts:
         return []
@@ -81,18 +110,36 @@ def sample_batch(
     if params.top_p < 1.0:
         warpers.append(TopPLogitsWarper(params.top_p))
 
-    input_ids, attention_mask = _left_pad(contexts, pad_token_id, device)
+    resume = kv is not None and kv.cache is not None
+    # Identical contexts (GRPO's num_generations copies of a prompt) are prefilled once; their KV cache is then
+    # copied to every row that shares it.
+    distinct: dict[tuple, int] = {}
+    row_of = [distinct.setdefault(tuple(c), len(distinct)) for c in contexts] if not resume else []
+    input_ids, attention_mask = _left_pad(contexts if resume else [list(c) for c in distinct], pad_token_id, device)
     positions = position_ids(attention_mask)
-    cache = DynamicCache()
+    cache = kv.cache if resume else DynamicCache()
+    if resume:  # the new tokens continue each row's positions; the mask covers the cache, then them
+        positions = positions + kv.attention_mask.sum(-1, keepdim=True)
+        attention_mask = torch.cat([kv.attention_mask, attention_mask], dim=1)
     B = len(contexts)
-    samples = [Sample([], [], "length") for _ in range(B)]
+    samples = [Sample([], [], "length", [] if value_head is not None else None) for _ in range(B)]
     active = torch.ones(B, dtype=torch.bool, device=device)
     cache_kw = cache_kwarg(model)
+    # Logits of the prompt's last position only: the others are never read (a (B, T, V) block saved).
+    extra = {"logits_to_keep": 1} if keeps_logits(model) else {}
+    if value_head is not None:
+        extra["output_hidden_states"] = True
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                use_cache=True, **{cache_kw: cache})
+                use_cache=True, **{cache_kw: cache}, **extra)
+    last_logits, last_hidden = out.logits[:, -1], out.hidden_states[-1][:, -1] if value_head is not None else None
+    if not resume and len(distinct) < B:
+        rows = torch.tensor(row_of, device=device)
+        cache.batch_select_indices(rows)
+        attention_mask, positions, last_logits = attention_mask[rows], positions[rows], last_logits[rows]
+        last_hidden = last_hidden[rows] if last_hidden is not None else None
     next_pos = positions[:, -1:] + 1
     for n_new in range(params.max_new_tokens):
-        logits = out.logits[:, -1, :].float() / params.temperature  # (B, V)
+        logits = last_logits.float() / params.temperature  # (B, V)
         if n_new < params.min_new_tokens:
             logits[:, eos_token_id] = float("-inf")
         logprobs_all = torch.log_softmax(logits, dim=-1)
@@ -106,19 +153,27 @@ def sample_batch(
         token_logprobs = logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
         # One device-to-host copy per step, not one per row.
         token_list, logprob_list = tokens.tolist(), token_logprobs.tolist()
+        if value_head is not None:  # (B,) values of the positions that predict these tokens
+            value_list = value_head(last_hidden.to(value_head.summary.weight.device)).float().tolist()
         for i in torch.nonzero(active).flatten().tolist():
             s = samples[i]
             s.ids.append(token_list[i])
             s.logprobs.append(logprob_list[i])
+            if value_head is not None:
+                s.values.append(value_list[i])
             if s.ids[-1] == eos_token_id:
                 s.finish, active[i] = "eos", False
             elif compiled and any(p.search(tokenizer.decode(s.ids)) for p in compiled):
                 s.finish, active[i] = "stop", False
-        if not active.any():
+        if not active.any() or n_new == params.max_new_tokens - 1:  # the last tokens are not fed: nothing reads it
             break
         tokens = torch.where(active, tokens, torch.full_like(tokens, pad_token_id))
         attention_mask = torch.cat([attention_mask, active.long()[:, None]], dim=1)
         out = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_pos,
-                    use_cache=True, **{cache_kw: cache})
+                    use_cache=True, **{cache_kw: cache}, **extra)
+        last_logits, last_hidden = out.logits[:, -1], out.hidden_states[-1][:, -1] if value_head is not None else None
         next_pos = next_pos + 1
+    if kv is not None:  # a model that keeps no cache in it (a scripted test policy) re-prefills every turn
+        filled = cache.get_seq_length() == attention_mask.shape[1]
+        kv.cache, kv.attention_mask = (cache, attention_mask) if filled else (None, None)
     return samples

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import random
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,7 @@ class TokenBatch:
     loss_mask: torch.Tensor
     scores: torch.Tensor
     logprobs: torch.Tensor | None = None  # (B, T-1) the sampler's logprobs on sampled tokens (rollouts only)
+    values: torch.Tensor | None = None  # (B, T-1) the sampler's values on sampled tokens (PPO rollouts, if read)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -38,11 +41,11 @@ class TokenBatch:
         width = int(self.attention_mask[idx].sum(-1).max())
         return TokenBatch(self.input_ids[idx, :width], self.attention_mask[idx, :width],
                           self.loss_mask[idx, : width - 1], self.scores[idx, : width - 1],
-                          None if self.logprobs is None else self.logprobs[idx, : width - 1])
+                          *(None if x is None else x[idx, : width - 1] for x in (self.logprobs, self.values)))
 
     def to(self, device) -> "TokenBatch":
         return TokenBatch(*(None if x is None else x.to(device) for x in (
-            self.input_ids, self.attention_mask, self.loss_mask, self.scores, self.logprobs)))
+            self.input_ids, self.attention_mask, self.loss_mask, self.scores, self.logprobs, self.values)))
 
 
 def build_batch(rows: list[tuple[list[int], list[int], list[tuple[int, float]]]], pad_id: int) -> TokenBatch:
@@ -74,9 +77,13 @@ def episodes_to_batch(episodes: list[Episode], pad_id: int, missing_eos_penalty:
         rows.append((ep.prompt_ids + ep.token_ids, [0] * n + ep.loss_mask, rewards))
     batch = build_batch(rows, pad_id)
     batch.logprobs = torch.zeros_like(batch.loss_mask)
+    with_values = bool(episodes) and all(ep.values is not None for ep in episodes)
+    batch.values = torch.zeros_like(batch.loss_mask) if with_values else None
     for i, ep in enumerate(episodes):  # token n + k of the sequence is predicted at position n + k - 1
         n = len(ep.prompt_ids)
         batch.logprobs[i, n - 1: n - 1 + len(ep.logprobs)] = torch.tensor(ep.logprobs, dtype=torch.float)
+        if with_values:
+            batch.values[i, n - 1: n - 1 + len(ep.values)] = torch.tensor(ep.values, dtype=torch.float)
     return batch
 
 
@@ -198,6 +205,218 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     """
     logits = logits[:, :-1].float() / temperature
     return torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+# Positions per block through the LM head in `response_logprobs`: a (LOGPROB_CHUNK, V) block at a time, so a
+# (B, T, V) logits tensor never exists (at Qwen's 152 K vocabulary one 1024-position block is 0.6 GB in fp32).
+LOGPROB_CHUNK = 1024
+# Above this many logits in a step (positions x V), each block's logits are recomputed in the backward pass
+# rather than kept (activation checkpointing of the head): memory O(chunk x V) instead of O(positions x V).
+RECOMPUTE_HEAD_ABOVE = 1 << 25
+_HEAD_OK: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _head_block(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias, temperature: float,
+                with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden (N, H), targets (N,) -> logprobs (N,) of the targets and entropy (N,) (zeros unless asked;
+    detached unless `entropy_grad`: an entropy bonus needs its gradient, a logged statistic does not)."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature  # (N, V)
+    lse = torch.logsumexp(logits, -1)
+    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if not with_entropy:
+        return logprobs, torch.zeros_like(logprobs)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return logprobs, lse - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+def _output_head(lm, batch: TokenBatch, positions: dict) -> torch.nn.Linear | None:
+    """The LM's output projection when logits == head(last hidden state) for this model (checked once per model
+    on one row of the first batch: true of Llama, Qwen, Mistral, GPT-2, ...; false with logit soft-capping or
+    scaling), else None. The checked model must not be wrapped for distributed training (its hooks live in
+    its forward)."""
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    if base in _HEAD_OK:
+        return _HEAD_OK[base]
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    ok = isinstance(head, torch.nn.Linear) and "logits_to_keep" in inspect.signature(base.forward).parameters
+    if ok:
+        with torch.no_grad():
+            row = {k: v[:1] for k, v in positions.items()}
+            out = lm(input_ids=batch.input_ids[:1], attention_mask=batch.attention_mask[:1],
+                     output_hidden_states=True, **row)
+            ok = torch.allclose(head(out.hidden_states[-1]).float(), out.logits.float(), rtol=1e-4, atol=1e-4)
+    _HEAD_OK[base] = head if ok else None
+    return _HEAD_OK[base]
+
+
+def response_logprobs(model, batch: TokenBatch, temperature: float, with_entropy: bool = False,
+                      value_head: torch.nn.Module | None = None, entropy_grad: bool = False):
+    """Logprobs of tokens 1..T-1 computed only where `batch.loss_mask` (B, T-1) is 1: the last hidden states of
+    those positions go through the LM head, LOGPROB_CHUNK at a time, and a logsumexp and a gather give each
+    token's logprob, so neither logits nor log-softmax of shape (B, T, V) is built (decisive at real vocabulary
+    sizes; the prompt, tool-output and padding positions cost nothing after the last layer).
+
+    model: a causal LM (or PeftModel). value_head: PPO's, read on the same hidden states.
+    Returns (logprobs, entropy or None, values or None), each (B, T-1), 0 where loss_mask is 0; or None when the
+    model's logits are not its head applied to its last hidden state (then use the full forward).
+    """
+    from agentrl.models.value_head import accepts_position_ids
+
+    positions = {"position_ids": position_ids(batch.attention_mask)} if accepts_position_ids(model) else {}
+    head = _output_head(model, batch, positions)
+    if head is None:
+        return None
+    # logits_to_keep=1: the model's own head runs on one position only; we read the last hidden state instead.
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True,
+                logits_to_keep=1, **positions)
+    hidden = out.hidden_states[-1][:, :-1]  # (B, T-1, H): position t predicts token t+1
+    where = batch.loss_mask.bool()
+    logprobs, entropy = _head_logprobs(head, hidden, where, batch.input_ids[:, 1:], temperature, with_entropy,
+                                       entropy_grad, (*torch.nonzero(where, as_tuple=True), where.shape))
+    values = None
+    if value_head is not None:
+        values = value_head(hidden.to(value_head.summary.weight.device)).float() * batch.loss_mask
+    return logprobs, entropy, values
+
+
+def _head_logprobs(head, hidden, where, targets, temperature, with_entropy, entropy_grad, put):
+    """The LM head, LOGPROB_CHUNK positions at a time, then logsumexp and gather, at hidden[where] for
+    targets[where]; the N results go into zeros of shape put[2] at indices (put[0], put[1]).
+    Returns (logprobs, entropy or None) of that shape."""
+    picked, targets = hidden[where], targets[where]  # (N, H), (N,)
+    recompute = torch.is_grad_enabled() and picked.shape[0] * head.out_features > RECOMPUTE_HEAD_ABOVE
+    parts = []
+    for s in range(0, picked.shape[0], LOGPROB_CHUNK):
+        args = (picked[s:s + LOGPROB_CHUNK], targets[s:s + LOGPROB_CHUNK], head.weight, head.bias, temperature,
+                with_entropy, entropy_grad)
+        parts.append(torch.utils.checkpoint.checkpoint(_head_block, *args, use_reentrant=False) if recompute
+                     else _head_block(*args))
+
+    def scatter(values: list[torch.Tensor]) -> torch.Tensor:
+        full = torch.zeros(put[2], dtype=torch.float32, device=hidden.device)
+        if not values:  # nothing sampled: still a graph, so a backward of a zero loss works as before
+            return full + hidden.sum() * 0.0 if hidden.requires_grad else full
+        return full.index_put(put[:2], torch.cat(values))
+
+    return scatter([p[0] for p in parts]), (scatter([p[1] for p in parts]) if with_entropy else None)
+
+
+def shared_prefix_logprobs(model, batch: TokenBatch, temperature: float, with_entropy: bool = False,
+                           entropy_grad: bool = False):
+    """`response_logprobs` for batches whose rows share prefixes (GRPO's groups: one prompt, num_generations
+    episodes; DPO's pairs: one prompt, chosen and rejected): each distinct prefix (the ids before a row's first
+    sampled token) runs once, its KV cache is copied to the rows that share it, and only the rest of each row
+    runs on top of it. The same maths as one forward over the whole rows (gradients reach the prefix through
+    the cache); the prompt's FLOPs are paid once per group instead of once per row.
+
+    Returns (logprobs, entropy or None, None) like response_logprobs, or None where there is little to share
+    (fewer than two rows per prefix on average), a row has no sampled token, or the model's head cannot be
+    split off (then use response_logprobs / the full forward).
+    """
+    from transformers import DynamicCache
+
+    from agentrl.models.value_head import accepts_position_ids
+    from agentrl.rollout.sampling import cache_kwarg
+
+    mask, ids = batch.loss_mask, batch.input_ids
+    B = ids.shape[0]
+    if B < 2 or not bool(mask.bool().any(-1).all()) or not accepts_position_ids(model):
+        return None
+    first = mask.float().argmax(-1) + 1  # (B,) index of each row's first sampled token
+    first_list = first.tolist()
+    rows = ids.tolist()
+    prefixes: dict[tuple, int] = {}
+    row_map = [prefixes.setdefault(tuple(rows[i][: first_list[i]]), len(prefixes)) for i in range(B)]
+    if 2 * len(prefixes) > B:
+        return None
+    positions = {"position_ids": position_ids(batch.attention_mask)}
+    head = _output_head(model, batch, positions)
+    if head is None:
+        return None
+    device, pad = ids.device, 0
+    # Prefixes, left-padded: (U, Lp); their last column predicts each row's first sampled token.
+    width = max(len(p) for p in prefixes)
+    prefix_ids = torch.full((len(prefixes), width), pad, dtype=torch.long, device=device)
+    prefix_mask = torch.zeros_like(prefix_ids)
+    for u, p in enumerate(prefixes):
+        prefix_ids[u, width - len(p):] = torch.tensor(p, device=device)
+        prefix_mask[u, width - len(p):] = 1
+    cache = DynamicCache()
+    kw = cache_kwarg(model)
+    out = model(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=position_ids(prefix_mask),
+                use_cache=True, output_hidden_states=True, logits_to_keep=1, **{kw: cache})
+    if cache.get_seq_length() != width:  # the model kept no cache (gradient checkpointing turns it off)
+        return None
+    rm = torch.tensor(row_map, device=device)
+    last = out.hidden_states[-1][:, -1][rm]  # (B, H)
+    cache.batch_select_indices(rm)  # (U, ...) -> (B, ...): differentiable indexing of each layer's K and V
+    # The rest of each row, right-padded: (B, Ls), on top of its prefix's cache.
+    lengths = batch.attention_mask.sum(-1)
+    rest = (lengths - first).clamp(min=0)
+    Ls = int(rest.max())
+    arange = torch.arange(Ls, device=device)
+    valid = arange[None] < rest[:, None]  # (B, Ls)
+    take = (first[:, None] + arange[None]).clamp(max=ids.shape[1] - 1)
+    rest_ids = torch.where(valid, ids.gather(1, take), torch.full_like(take, pad))
+    out = model(input_ids=rest_ids, attention_mask=torch.cat([prefix_mask[rm], valid.long()], 1),
+                position_ids=first[:, None] + arange[None], use_cache=True, output_hidden_states=True,
+                logits_to_keep=1, **{kw: cache})
+    # Column j predicts token first + j: the prefix's last hidden state, then the rest's (its last column
+    # predicts nothing).
+    hidden = torch.cat([last[:, None], out.hidden_states[-1][:, :-1]], 1)  # (B, Ls, H)
+    shifted = mask.gather(1, (first[:, None] - 1 + arange[None]).clamp(max=mask.shape[1] - 1)).bool() & valid
+    r, j = torch.nonzero(shifted, as_tuple=True)
+    logprobs, entropy = _head_logprobs(head, hidden, shifted, rest_ids, temperature, with_entropy, entropy_grad,
+                                       (r, first[r] - 1 + j, mask.shape))
+    return logprobs, entropy, None
+
+
+# Length buckets (by_length) only when they cut the padded positions of a forward by at least this fraction.
+BUCKET_MIN_SAVING = 0.25
+
+
+def by_length(forward, batch: TokenBatch, buckets: int = 2):
+    """forward(batch) -> tuple of (B, T-1) tensors (or None), run on `buckets` groups of rows of similar length
+    and put back in row order, when that saves enough padding (BUCKET_MIN_SAVING): a mini-batch mixing
+    20- and 70-token episodes no longer pays 70 positions for each. Rows are independent in a causal LM
+    forward, so the numbers are those of one forward (up to float rounding); gradients flow through the
+    reassembly."""
+    lengths = batch.attention_mask.sum(-1)
+    order = torch.argsort(lengths)
+    groups = [g for g in torch.tensor_split(order, buckets) if len(g)]
+    padded = len(batch) * int(lengths.max())
+    bucketed = sum(len(g) * int(lengths[g].max()) for g in groups)
+    if len(groups) < 2 or bucketed > (1 - BUCKET_MIN_SAVING) * padded:
+        return forward(batch)
+    outs = [forward(batch.select(g)) for g in groups]
+    shape = batch.loss_mask.shape
+
+    def assemble(parts):
+        if parts[0] is None:
+            return None
+        full = torch.zeros(shape, dtype=parts[0].dtype, device=parts[0].device)
+        for g, x in zip(groups, parts):
+            full = full.index_put((g[:, None], torch.arange(x.shape[1], device=x.device)[None]), x)
+        return full
+
+    return tuple(assemble([o[k] for o in outs]) for k in range(len(outs[0])))
+
+
+def masked_logprobs(model, batch: TokenBatch, temperature: float, with_entropy: bool = False):
+    """(logprobs, entropy or None), each (B, T-1), at the positions where batch.loss_mask is 1 (0 elsewhere),
+    by the cheapest exact path: shared prefixes run once (shared_prefix_logprobs), else the LM head only at
+    those positions (response_logprobs), else the full forward. The entropy is a detached statistic."""
+    out = shared_prefix_logprobs(model, batch, temperature, with_entropy)
+    if out is None:
+        out = response_logprobs(model, batch, temperature, with_entropy)
+    if out is not None:
+        return out[0], out[1]
+    logprobs, logits = lm_logprobs(model, batch, temperature, return_logits=True)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits[:, :-1].float() / temperature) * batch.loss_mask
+    return logprobs * batch.loss_mask, entropy
 
 
 def policy_forward(model, batch: TokenBatch, temperature: float, with_entropy: bool = False):

@@ -25,8 +25,8 @@ from accelerate.utils import set_seed
 
 from agentrl.algos.dpo import dpo_loss
 from agentrl.preferences import PreferenceExample, load_preferences
-from agentrl.trainers.common import (MetricsLog, build_batch, finite_or_raise, guarded_step, lm_logprobs,
-                                     load_trainer_state, norm_gain_parameters, optimizer_groups, progress_bar,
+from agentrl.trainers.common import (MetricsLog, build_batch, finite_or_raise, guarded_step, load_trainer_state,
+                                     masked_logprobs, norm_gain_parameters, optimizer_groups, progress_bar,
                                      resumed_metrics, trainer_state)
 
 
@@ -62,6 +62,8 @@ class DPOConfig:
     max_length: int = 512  # prompt + completion tokens (completions are truncated)
     max_prompt_length: int = 256  # longer prompts are a data error
     precompute_ref_log_probs: bool = False  # reference logprobs once up front; no reference model kept
+    cache_ref_log_probs: bool = True  # keep each pair's reference logprobs the first time they are computed and
+    # reuse them in later epochs (the reference is frozen), instead of a reference forward every time
     reference_with_adapter: bool = False  # with precompute under LoRA: reference = the policy as it is now
     # (adapter on: iterative DPO against the previous round) instead of the adapter-disabled base
     skip_bad_rows: bool = False  # skip (and count) malformed rows instead of raising
@@ -148,6 +150,7 @@ class DPOTrainer:
         self.metrics_log = MetricsLog(None, self.accelerator)
         self.history: list[dict] = []
         self.current_step, self.lr_scheduler, self.resumed = 0, None, None
+        self.ref_cache: dict[int, tuple[float, float]] = {}  # id(example) -> reference logprobs (cache_ref_log_probs)
 
     # --- sequence logprobs ------------------------------------------------------------------------------
 
@@ -165,21 +168,30 @@ class DPOTrainer:
     def sequence_logps(self, model, examples: list[PreferenceExample]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed logprobs of assistant tokens: (chosen (B,), rejected (B,))."""
         batch = self._batch(examples)
-        logps = (lm_logprobs(model, batch, 1.0) * batch.loss_mask).sum(-1)
+        # Chosen and rejected share their prompt: it runs once per pair, and only assistant positions reach the
+        # LM head (masked_logprobs).
+        logps = masked_logprobs(model, batch, 1.0)[0].sum(-1)
         return logps[: len(examples)], logps[len(examples):]
 
     @torch.no_grad()
     def reference_logps(self, examples: list[PreferenceExample]) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = self.accelerator.device
         if all(ex.ref_chosen_logp is not None for ex in examples):
-            dev = self.accelerator.device
             return (torch.tensor([ex.ref_chosen_logp for ex in examples], device=dev),
                     torch.tensor([ex.ref_rejected_logp for ex in examples], device=dev))
+        cached = [self.ref_cache.get(id(ex)) for ex in examples]
+        if all(c is not None for c in cached):
+            return tuple(torch.tensor(x, device=dev) for x in zip(*cached))
         if self.ref_model is not None:
-            return self.sequence_logps(self.ref_model, examples)
-        if self.is_peft_model:
+            out = self.sequence_logps(self.ref_model, examples)
+        elif self.is_peft_model:
             with self.accelerator.unwrap_model(self.model).disable_adapter():
-                return self.sequence_logps(self.model, examples)
-        raise RuntimeError("no reference: pass ref_model, use LoRA, or precompute_ref_log_probs")
+                out = self.sequence_logps(self.model, examples)
+        else:
+            raise RuntimeError("no reference: pass ref_model, use LoRA, or precompute_ref_log_probs")
+        if self.config.cache_ref_log_probs:
+            self.ref_cache.update({id(ex): (c, r) for ex, c, r in zip(examples, *(x.tolist() for x in out))})
+        return out
 
     @torch.no_grad()
     def _precompute_reference(self) -> None:
@@ -299,7 +311,9 @@ class DPOTrainer:
             loop = {"lr_scheduler": self.lr_scheduler.state_dict(), "rng": self.rng.getstate(),
                     "order": list(self.order), "acc": dict(self.acc), "history": list(self.history)}
         refs = [[ex.ref_chosen_logp, ex.ref_rejected_logp] for ex in self.examples]
-        return trainer_state(self, loop=loop, ref_logps=refs if self.config.precompute_ref_log_probs else None)
+        cache = [self.ref_cache.get(id(ex)) for ex in self.examples]
+        return trainer_state(self, loop=loop, ref_logps=refs if self.config.precompute_ref_log_probs else None,
+                             ref_cache=[list(c) if c else None for c in cache] if self.ref_cache else None)
 
     def load_state_dict(self, state: dict) -> None:
         load_trainer_state(self, state)
@@ -311,6 +325,8 @@ class DPOTrainer:
                                       f"this trainer has {len(self.examples)}")
             for ex, (c, r) in zip(self.examples, state["ref_logps"]):
                 ex.ref_chosen_logp, ex.ref_rejected_logp = c, r
+        if state.get("ref_cache") is not None and len(state["ref_cache"]) == len(self.examples):
+            self.ref_cache = {id(ex): tuple(c) for ex, c in zip(self.examples, state["ref_cache"]) if c is not None}
         if state["loop"] is not None:
             self.resumed["loop"] = state["loop"]
 

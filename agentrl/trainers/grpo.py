@@ -20,12 +20,11 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from agentrl.algos import group_advantages, grpo_loss, masked_mean, rloo_advantages, zero_variance_fraction
-from agentrl.algos.losses import entropy_from_logits
 from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams
 from agentrl.samples import SamplesLog
 from agentrl.trainers.common import (MetricsLog, TokenBatch, check_batch, episodes_to_batch, finite_or_raise,
-                                     guarded_step, lm_logprobs, load_trainer_state, logprob_mismatch,
+                                     guarded_step, load_trainer_state, logprob_mismatch, masked_logprobs,
                                      norm_gain_parameters, optimizer_groups, progress_bar, resumed_cycler,
                                      resumed_metrics, trainer_state)
 
@@ -161,9 +160,9 @@ class GRPOTrainer:
     @torch.no_grad()
     def _ref_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         if self.ref_model is not None:
-            return lm_logprobs(self.ref_model, batch, self.config.temperature)
+            return masked_logprobs(self.ref_model, batch, self.config.temperature)[0]
         with self.policy.disable_adapter():
-            return lm_logprobs(self.policy, batch, self.config.temperature)
+            return masked_logprobs(self.policy, batch, self.config.temperature)[0]
 
     def _update(self, episodes: list[Episode]) -> dict[str, float]:
         cfg, t0 = self.config, time.time()
@@ -183,7 +182,7 @@ class GRPOTrainer:
                 old = torch.zeros_like(full.loss_mask)
                 for idx in chunks:
                     mb = full.select(idx)
-                    old[idx, : mb.loss_mask.shape[1]] = lm_logprobs(self.model, mb, cfg.temperature)
+                    old[idx, : mb.loss_mask.shape[1]] = masked_logprobs(self.model, mb, cfg.temperature)[0]
         if cfg.beta > 0:
             ref = torch.zeros_like(full.loss_mask)
             for idx in chunks:
@@ -205,7 +204,8 @@ class GRPOTrainer:
                 w = mb.loss_mask.shape[1]
                 with self.accelerator.accumulate(self.model):
                     with self.accelerator.autocast():
-                        logprobs, logits = lm_logprobs(self.model, mb, cfg.temperature, return_logits=True)
+                        # Only sampled positions reach the LM head; each group's prompt runs once.
+                        logprobs, entropy = masked_logprobs(self.model, mb, cfg.temperature, with_entropy=True)
                     if old is None and it == 0 and start < cfg.mini_batch_size * cfg.gradient_accumulation_steps:
                         at_rollout.append((logprobs.detach(), mb.logprobs, mb.loss_mask))
                     mb_old = logprobs.detach() if old is None else old[idx, :w]
@@ -214,8 +214,7 @@ class GRPOTrainer:
                                          cfg.loss_aggregation)
                     nonfinite += guarded_step(self.accelerator, self.model, self.optimizer, loss, cfg.max_grad_norm)
                     self.optimizer.zero_grad(set_to_none=True)
-                with torch.no_grad():
-                    entropy = masked_mean(entropy_from_logits(logits[:, :-1].float() / cfg.temperature), mb.loss_mask)
+                entropy = masked_mean(entropy, mb.loss_mask)
                 acc["grpo/loss"].append(loss.item())
                 acc["grpo/clipfrac"].append(st["clipfrac"].item())
                 acc["grpo/kl"].append(st["kl"].item())

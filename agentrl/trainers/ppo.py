@@ -33,10 +33,11 @@ from agentrl.models.value_head import AutoModelForCausalLMWithValueHead, create_
 from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams, sample_batch
 from agentrl.samples import SamplesLog
-from agentrl.trainers.common import (MetricsLog, TokenBatch, build_batch, check_batch, episodes_to_batch,
+from agentrl.trainers.common import (MetricsLog, TokenBatch, build_batch, by_length, check_batch, episodes_to_batch,
                                      finite_or_raise, guarded_step, lm_logprobs, load_trainer_state, logprob_mismatch,
                                      norm_gain_parameters, optimizer_groups, policy_forward, position_ids,
-                                     progress_bar, resumed_cycler, resumed_metrics, trainer_state)
+                                     progress_bar, response_logprobs, resumed_cycler, resumed_metrics,
+                                     trainer_state)
 from agentrl.trainers.sft import sft_loss
 
 
@@ -108,6 +109,8 @@ class PPOConfig:
     ptx_data: str | None = None  # its demonstrations: a JSONL file (trainers/sft.py rows), or "env" in jobs
     logprob_mismatch_threshold: float | None = 0.05  # error when the mean |recomputed - sampled| logprob at
     # the rollout's weights exceeds this (None: only logged as rollout/logprob_mismatch_*)
+    reuse_rollout_logprobs: bool = True  # old logprobs and values as the sampler computed them: no separate
+    # forward, checked on the first mini-batch (REUSE_TOLERANCE; otherwise, and with kl_penalty "full", forward)
 
     def __post_init__(self):
         if self.kl_penalty not in ("kl", "abs", "mse", "full"):
@@ -145,6 +148,16 @@ class PPOConfig:
     def to_dict(self) -> dict[str, Any]:
         """The fields as a flat dict (nested dicts joined with "/"), as TRL 0.11 records them with trackers."""
         return core.flatten_dict(dict(self.__dict__))
+
+
+# Mean |logprob| gap between the sampler and the trainer's first forward above which the sampler's logprobs
+# and values are not reused (PPOConfig.reuse_rollout_logprobs): fp32 noise is ~1e-6; bf16 autocast, a changed
+# temperature or padding, or non-deterministic layers exceed it, and the old forward runs instead.
+REUSE_TOLERANCE = 1e-3
+
+
+class _StaleRollout(Exception):
+    """The sampler's logprobs differ from the trainer's forward at the same weights (see REUSE_TOLERANCE)."""
 
 
 class RunningMoments:
@@ -274,6 +287,9 @@ class PPOTrainer:
         self.running = RunningMoments()
         self.current_step = 0
         self.ptx = None  # PPO-ptx demonstrations (set_ptx_data)
+        # The sampler's logprobs and values of what generate() returned at this step, for step() to reuse.
+        self._generated: dict[tuple, tuple[list[float], list[float]]] = {}
+        self._generated_at = 0
         if config.ptx_coef > 0 and config.ptx_data != "env":
             self.set_ptx_data(config.ptx_data)
         self.metrics_log = MetricsLog(None, self.accelerator)
@@ -322,6 +338,11 @@ class PPOTrainer:
         """The causal LM being trained (a PeftModel under LoRA), unwrapped from accelerate."""
         return self.accelerator.unwrap_model(self.model).pretrained_model
 
+    @property
+    def _rollout_value_head(self):
+        """The value head for the sampler to read (reuse_rollout_logprobs), else None."""
+        return self.accelerator.unwrap_model(self.model).v_head if self.config.reuse_rollout_logprobs else None
+
     def _sampling_params(self, kwargs: dict) -> tuple[SamplingParams, int, tuple[str, ...], int]:
         unknown = set(kwargs) - _GENERATE_KWARGS
         if unknown:
@@ -357,16 +378,21 @@ class PPOTrainer:
         params, eos, stops, chunk = self._sampling_params(generation_kwargs)
         contexts = [q.tolist() for q in queries]
 
-        def run(model):
+        def run(model, value_head=None):
             out = []
             for start in range(0, len(contexts), chunk):
                 samples = sample_batch(model, contexts[start:start + chunk], params, eos, self.tokenizer.pad_token_id,
-                                       tokenizer=self.tokenizer, stop_patterns=stops)
+                                       tokenizer=self.tokenizer, stop_patterns=stops, value_head=value_head)
                 out += [torch.tensor((c if return_prompt else []) + s.ids, dtype=torch.long, device=q.device)
                         for c, s, q in zip(contexts[start:start + chunk], samples, queries[start:start + chunk])]
+                if value_head is not None:  # step() on these very ids, before any update, reuses them
+                    self._generated.update({(tuple(c), tuple(s.ids)): (s.logprobs, s.values)
+                                            for c, s in zip(contexts[start:start + chunk], samples)})
             return out
 
-        responses = run(self.policy)
+        if self._generated_at != self.current_step:  # kept only until the next update
+            self._generated, self._generated_at = {}, self.current_step
+        responses = run(self.policy, self._rollout_value_head)
         if generate_ref_response:
             with self._reference():
                 ref_responses = run(self._ref_lm or self.policy)
@@ -409,7 +435,23 @@ class PPOTrainer:
             last = max((j for j, m in enumerate(mask) if m), default=None)
             rewards = [] if last is None else [(len(q) + last, score_values[i])]
             rows.append((q + r, [0] * len(q) + mask, rewards))
-        return self._update(build_batch(rows, self.tokenizer.pad_token_id))
+        batch = build_batch(rows, self.tokenizer.pad_token_id)
+        self._attach_generated(batch, queries, responses, response_masks)
+        return self._update(batch)
+
+    def _attach_generated(self, batch: TokenBatch, queries, responses, response_masks) -> None:
+        """When every (query, response) of this step is exactly what the last generate() sampled, with no update
+        since, give the batch the sampler's logprobs and values (reuse_rollout_logprobs: no old forward)."""
+        if not self._generated or self._generated_at != self.current_step or response_masks is not None:
+            return
+        found = [self._generated.get((tuple(q.tolist()), tuple(r.tolist()))) for q, r in zip(queries, responses)]
+        if any(f is None for f in found):
+            return
+        batch.logprobs, batch.values = torch.zeros_like(batch.loss_mask), torch.zeros_like(batch.loss_mask)
+        for i, (q, (logprobs, values)) in enumerate(zip(queries, found)):  # token n + k is predicted at n + k - 1
+            n = len(q)
+            batch.logprobs[i, n - 1: n - 1 + len(logprobs)] = torch.tensor(logprobs, dtype=torch.float)
+            batch.values[i, n - 1: n - 1 + len(values)] = torch.tensor(values, dtype=torch.float)
 
     def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log=("query", "response")) -> None:
         """Send the stats (plus env/reward_mean, env/reward_std) to the trackers and the metrics file.
@@ -468,7 +510,8 @@ class PPOTrainer:
         for i in range(steps):
             batch_tasks = cycler.draw(self.config.batch_size)
             started = time.time()
-            episodes = rollout(self.policy, self.tokenizer, env_factory, batch_tasks, sampling)
+            episodes = rollout(self.policy, self.tokenizer, env_factory, batch_tasks, sampling,
+                               value_head=self._rollout_value_head)
             if score_hook is not None:  # e.g. reward models adding to the environment's scores
                 score_hook(episodes)
             rollout_seconds = time.time() - started
@@ -494,22 +537,64 @@ class PPOTrainer:
 
     # --- the update ------------------------------------------------------------------------------------
 
+    def _fast_lm(self):
+        """(the causal LM, the value head) when logprobs may come from `response_logprobs` (one process: the
+        model is not wrapped for distributed training), else None."""
+        if self.model is not self.accelerator.unwrap_model(self.model):
+            return None
+        return self.model.pretrained_model, self.model.v_head
+
+    def _policy_forward(self, batch: TokenBatch, entropy_grad: bool = False):
+        """(logprobs, values, entropy (B, T-1), logits (B, T, V) or None): only at response positions when the
+        model allows (response_logprobs), else the full forward."""
+        fast = self._fast_lm()
+        if fast is not None:
+            # Rows of similar length forward together (by_length): episodes of an agent loop vary a lot.
+            out = by_length(lambda b: response_logprobs(fast[0], b, self.config.temperature, with_entropy=True,
+                                                        value_head=fast[1], entropy_grad=entropy_grad) or (None,) * 3,
+                            batch)
+            if out[0] is not None:
+                return out[0], out[2], out[1], None
+        logprobs, values, _, logits = policy_forward(self.model, batch, self.config.temperature)
+        return logprobs, values, None, logits
+
     @torch.no_grad()
-    def _old_and_ref(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """No-grad forwards in mini-batch chunks: (old_logprobs, values, ref_logprobs, kl), each (B, T-1)."""
+    def _ref_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """The reference's logprobs (B, T-1) at response positions (others may be 0)."""
+        ref_lm = self._ref_lm or self.policy
+        with self._reference():
+            out = response_logprobs(ref_lm, batch, self.config.temperature) if self._fast_lm() else None
+            return out[0] if out is not None else lm_logprobs(ref_lm, batch, self.config.temperature)
+
+    @torch.no_grad()
+    def _old_and_ref(self, batch: TokenBatch, reuse: bool = False) -> tuple[torch.Tensor, ...]:
+        """No-grad forwards in mini-batch chunks: (old_logprobs, values, ref_logprobs, kl), each (B, T-1).
+
+        reuse: old logprobs and values are the sampler's (batch.logprobs, batch.values); only the reference runs.
+        """
         T, kind = self.config.temperature, self.config.kl_penalty
         parts: list[list[torch.Tensor]] = [[], [], [], []]
         for start in range(0, len(batch), self.config.mini_batch_size):
             chunk = batch.select(torch.arange(start, min(start + self.config.mini_batch_size, len(batch))))
             pad = batch.loss_mask.shape[1] - chunk.loss_mask.shape[1]
             with self.accelerator.autocast():
-                logp, v, _, logits = policy_forward(self.model, chunk, T)
-                with self._reference():
-                    ref_logp, ref_logits = lm_logprobs(self._ref_lm or self.policy, chunk, T, return_logits=True)
-            kl = kl_penalty(logp, ref_logp, kind, logits[:, :-1] / T, ref_logits[:, :-1] / T)
+                if kind == "full":  # the exact KL needs both full distributions
+                    logp, v, _, logits = policy_forward(self.model, chunk, T)
+                    with self._reference():
+                        ref_logp, ref_logits = lm_logprobs(self._ref_lm or self.policy, chunk, T, return_logits=True)
+                    kl = kl_penalty(logp, ref_logp, kind, logits[:, :-1] / T, ref_logits[:, :-1] / T)
+                else:
+                    logp, v = (chunk.logprobs, chunk.values) if reuse else self._policy_forward(chunk)[:2]
+                    ref_logp = self._ref_logprobs(chunk)
+                    kl = kl_penalty(logp, ref_logp, kind)
             for out, x in zip(parts, (logp, v, ref_logp, kl)):
                 out.append(torch.nn.functional.pad(x, (0, pad)))
         return tuple(torch.cat(p) for p in parts)
+
+    def _reuse_rollout(self, batch: TokenBatch) -> bool:
+        """Whether this batch's old logprobs and values may be the sampler's (see PPOConfig.reuse_rollout_logprobs)."""
+        return (self.config.reuse_rollout_logprobs and batch.logprobs is not None and batch.values is not None
+                and self.config.kl_penalty != "full")
 
     def _reference(self):
         if self.ref_model is None:
@@ -529,55 +614,35 @@ class PPOTrainer:
         self.model.eval()  # dropout off, whatever the caller did to the model in between
         batch = batch.to(self.accelerator.device)
         mask = batch.loss_mask  # (B, T-1): 1 on sampled tokens only; prompt, tool output, padding are 0
-        old_logprobs, values, ref_logprobs, kl = self._old_and_ref(batch)
-        mismatch = {} if batch.logprobs is None else logprob_mismatch(old_logprobs, batch.logprobs, mask,
-                                                                      cfg.logprob_mismatch_threshold)
-        t_forward = time.time()
+        reuse = self._reuse_rollout(batch)
+        # Two tries: with the sampler's logprobs and values, then, if the first mini-batch's forward at the
+        # rollout's weights disagrees with them (_StaleRollout, before any optimizer step), with a forward.
+        rng = torch.get_rng_state()  # a retry shuffles the mini-batches as the first try did
+        for reuse in ((True, False) if reuse else (False,)):
+            torch.set_rng_state(rng)
+            old_logprobs, values, ref_logprobs, kl = self._old_and_ref(batch, reuse)
+            mismatch = {}
+            if batch.logprobs is not None and not reuse:
+                mismatch = logprob_mismatch(old_logprobs, batch.logprobs, mask, cfg.logprob_mismatch_threshold)
+            t_forward = time.time()
 
-        # Per-token rewards: -beta * KL at every action token, plus each turn's score at its last token.
-        kl = kl * mask
-        non_score_rewards = -self.kl_ctl.value * kl
-        rewards = non_score_rewards + batch.scores
-        t_rewards = time.time()
-        raw_values = values
-        values, advantages, returns = self.compute_advantages(values, rewards, mask)
-        self._sample_tensors = {"trainer_logprobs": old_logprobs, "ref_logprobs": ref_logprobs,
-                                "advantages": advantages, "values": raw_values}
-        t_adv = time.time()
-
-        all_stats = []
-        skipped = nonfinite = 0
-        for _epoch in range(cfg.ppo_epochs):
-            perm = torch.randperm(len(batch))
-            epoch_kl = []
-            for start in range(0, len(batch), cfg.mini_batch_size):
-                idx = perm[start:start + cfg.mini_batch_size]
-                mb = batch.select(idx)
-                w = mb.loss_mask.shape[1]
-                mb_old, mb_values, mb_adv, mb_ret = (x[idx, :w] for x in (old_logprobs, values, advantages, returns))
-                with self.accelerator.accumulate(self.model):
-                    with self.accelerator.autocast():
-                        logprobs, vpred, _, logits = policy_forward(self.model, mb, cfg.temperature)
-                    pg_loss, vf_term, mb_stats = self.loss(mb_old, mb_values, logits[:, :-1] / cfg.temperature, vpred,
-                                                           logprobs, mb.loss_mask, mb_adv, mb_ret)
-                    loss = pg_loss + vf_term - cfg.entropy_coef * mb_stats["policy/entropy"]
-                    if self.ptx is not None:  # PPO-ptx: keep what SFT taught (the LM loss on demonstrations)
-                        with self.accelerator.autocast():
-                            ptx_loss = sft_loss(self.policy, self.ptx.next())
-                        loss = loss + cfg.ptx_coef * ptx_loss
-                        mb_stats["loss/ptx"] = ptx_loss.detach()  # logged as ppo/loss/ptx
-                    if mb_stats["policy/skipped"]:
-                        loss, skipped = loss * 0.0, skipped + 1  # TRL 0.11: the mini-batch is skipped
-                    nonfinite += guarded_step(self.accelerator, self.model, self.optimizer, loss, cfg.max_grad_norm)
-                    # No arguments: the caller's optimizer decides (set_to_none or not); accelerate handles
-                    # accumulation (https://huggingface.co/docs/accelerate/usage_guides/gradient_accumulation).
-                    self.optimizer.zero_grad()
-                mb_stats["loss/total"] = loss.detach()
-                del mb_stats["policy/skipped"]
-                all_stats.append(mb_stats)
-                epoch_kl.append(mb_stats["policy/policykl"].item())
-            if cfg.early_stopping and sum(epoch_kl) / len(epoch_kl) > 1.5 * cfg.target_kl:
+            # Per-token rewards: -beta * KL at every action token, plus each turn's score at its last token.
+            kl = kl * mask
+            non_score_rewards = -self.kl_ctl.value * kl
+            rewards = non_score_rewards + batch.scores
+            t_rewards = time.time()
+            raw_values = values
+            values, advantages, returns = self.compute_advantages(values, rewards, mask)
+            self._sample_tensors = {"trainer_logprobs": old_logprobs, "ref_logprobs": ref_logprobs,
+                                    "advantages": advantages, "values": raw_values}
+            t_adv = time.time()
+            try:
+                all_stats, skipped, nonfinite, checked = self._optimize(batch, old_logprobs, values, advantages,
+                                                                        returns, check_rollout=reuse)
+                mismatch = checked or mismatch
                 break
+            except _StaleRollout:
+                continue
         t_opt = time.time()
 
         train_stats = core.stack_dicts(all_stats)
@@ -609,6 +674,56 @@ class PPOTrainer:
             self.lr_scheduler.step()
         self.current_step += 1
         return stats
+
+    def _optimize(self, batch: TokenBatch, old_logprobs, values, advantages, returns, check_rollout: bool):
+        """The clipped epochs over shuffled mini-batches. Returns (stats per mini-batch, skipped, non-finite
+        events, mismatch stats or {}).
+
+        check_rollout: old_logprobs are the sampler's; the first mini-batch's forward, at the rollout's weights
+        (no optimizer step yet), is compared with them first. A mean gap above REUSE_TOLERANCE raises
+        _StaleRollout (the caller recomputes them with a forward); above logprob_mismatch_threshold, the error
+        of logprob_mismatch.
+        """
+        cfg = self.config
+        all_stats, skipped, nonfinite, mismatch = [], 0, 0, {}
+        for _epoch in range(cfg.ppo_epochs):
+            perm = torch.randperm(len(batch))
+            epoch_kl = []
+            for start in range(0, len(batch), cfg.mini_batch_size):
+                idx = perm[start:start + cfg.mini_batch_size]
+                mb = batch.select(idx)
+                w = mb.loss_mask.shape[1]
+                mb_old, mb_values, mb_adv, mb_ret = (x[idx, :w] for x in (old_logprobs, values, advantages, returns))
+                with self.accelerator.accumulate(self.model):
+                    with self.accelerator.autocast():
+                        logprobs, vpred, entropy, logits = self._policy_forward(mb, entropy_grad=cfg.entropy_coef != 0)
+                    if check_rollout and not all_stats:
+                        mismatch = logprob_mismatch(logprobs.detach(), mb.logprobs, mb.loss_mask, None)
+                        if not mismatch["rollout/logprob_mismatch_mean"] <= REUSE_TOLERANCE:
+                            self.optimizer.zero_grad()
+                            raise _StaleRollout
+                    pg_loss, vf_term, mb_stats = self.loss(mb_old, mb_values, None if logits is None else
+                                                           logits[:, :-1] / cfg.temperature, vpred, logprobs,
+                                                           mb.loss_mask, mb_adv, mb_ret, entropy=entropy)
+                    loss = pg_loss + vf_term - cfg.entropy_coef * mb_stats["policy/entropy"]
+                    if self.ptx is not None:  # PPO-ptx: keep what SFT taught (the LM loss on demonstrations)
+                        with self.accelerator.autocast():
+                            ptx_loss = sft_loss(self.policy, self.ptx.next())
+                        loss = loss + cfg.ptx_coef * ptx_loss
+                        mb_stats["loss/ptx"] = ptx_loss.detach()  # logged as ppo/loss/ptx
+                    if mb_stats["policy/skipped"]:
+                        loss, skipped = loss * 0.0, skipped + 1  # TRL 0.11: the mini-batch is skipped
+                    nonfinite += guarded_step(self.accelerator, self.model, self.optimizer, loss, cfg.max_grad_norm)
+                    # No arguments: the caller's optimizer decides (set_to_none or not); accelerate handles
+                    # accumulation (https://huggingface.co/docs/accelerate/usage_guides/gradient_accumulation).
+                    self.optimizer.zero_grad()
+                mb_stats["loss/total"] = loss.detach()
+                del mb_stats["policy/skipped"]
+                all_stats.append(mb_stats)
+                epoch_kl.append(mb_stats["policy/policykl"].item())
+            if cfg.early_stopping and sum(epoch_kl) / len(epoch_kl) > 1.5 * cfg.target_kl:
+                break
+        return all_stats, skipped, nonfinite, mismatch
 
     # --- TRL 0.11's public pieces of a step --------------------------------------------------------------
 
@@ -699,9 +814,11 @@ class PPOTrainer:
             advantages = whiten(advantages, mask)
         return values, advantages.detach(), returns.detach()
 
-    def loss(self, old_logprobs: torch.Tensor, values: torch.Tensor, logits: torch.Tensor, vpreds: torch.Tensor,
-             logprobs: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor):
-        """PPO's clipped policy and value losses on one mini-batch; all (B, T) but logits (B, T, V).
+    def loss(self, old_logprobs: torch.Tensor, values: torch.Tensor, logits: torch.Tensor | None,
+             vpreds: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+             returns: torch.Tensor, entropy: torch.Tensor | None = None):
+        """PPO's clipped policy and value losses on one mini-batch; all (B, T) but logits (B, T, V) (or None with
+        `entropy` (B, T) given, as the trainer's response-only forward computes it).
 
         Returns (pg_loss, vf_coef * vf_loss, stats): TRL 0.11's flat stats dict of detached tensors. A
         mini-batch whose mean ratio exceeds `ratio_threshold` is skipped: both losses become 0.
@@ -714,7 +831,7 @@ class PPOTrainer:
             warnings.warn(f"The average ratio of batch ({pg_stats['ratio'].item():.2f}) exceeds threshold "
                           f"{cfg.ratio_threshold:.2f}. Skipping batch.", stacklevel=2)
             pg_loss, vf_loss = pg_loss * 0.0, vf_loss * 0.0
-        entropy = masked_mean(entropy_from_logits(logits), mask)
+        entropy = masked_mean(entropy_from_logits(logits) if entropy is None else entropy, mask)
         with torch.no_grad():
             stats = {
                 "loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(),

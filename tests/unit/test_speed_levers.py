@@ -1,0 +1,210 @@
+"""The speed levers keep the maths: each fast path against the plain full forward, values and gradients."""
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import agentrl.trainers.common as common
+from agentrl.algos.losses import entropy_from_logits
+from agentrl.trainers.common import (build_batch, lm_logprobs, masked_logprobs, policy_forward, response_logprobs,
+                                     shared_prefix_logprobs)
+
+
+def tiny_lora(vocab: int = 97, seed: int = 0):
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=64, pad_token_id=0))
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM")
+    return get_peft_model(model, lora).eval()
+
+
+P1, P2 = [1, 5, 6, 7], [1, 9]
+# Two groups sharing prompts (P1 x 3, P2 x 2), a tool-output token (mask 0) inside the first row, ragged lengths.
+ROWS = [(P1 + [8, 9, 10, 3], [0] * 4 + [1, 1, 0, 1], []), (P1 + [20, 21], [0] * 4 + [1, 1], []),
+        (P2 + [30, 31, 32, 33, 34], [0, 0, 1, 1, 1, 1, 1], []), (P2 + [40], [0, 0, 1], []),
+        (P1 + [8, 2], [0] * 4 + [1, 1], [])]
+
+
+def reference(model, batch, temperature):
+    """The plain path: full (B, T, V) logits, masked afterwards."""
+    logprobs, logits = lm_logprobs(model, batch, temperature, return_logits=True)
+    entropy = entropy_from_logits(logits[:, :-1].float() / temperature)
+    return logprobs * batch.loss_mask, entropy * batch.loss_mask
+
+
+def values_and_grads(model, fn):
+    model.zero_grad()
+    logprobs, entropy = fn()
+    (0.3 * logprobs.sum() + entropy.sum()).backward()
+    return logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+def assert_same(a, b, atol=2e-6):
+    assert torch.allclose(a[0], b[0], atol=atol) and torch.allclose(a[1], b[1], atol=atol)
+    assert all(torch.allclose(x, y, atol=atol) for x, y in zip(a[2], b[2]))
+
+
+@pytest.mark.parametrize("chunk,recompute_above", [(1024, 1 << 25), (3, 0)])
+def test_response_only_logprobs_match_the_full_forward(monkeypatch, chunk, recompute_above):
+    """Head only at sampled positions, in chunks, with the head recomputed in backward: same numbers and grads."""
+    monkeypatch.setattr(common, "LOGPROB_CHUNK", chunk)
+    monkeypatch.setattr(common, "RECOMPUTE_HEAD_ABOVE", recompute_above)
+    model, batch = tiny_lora(), build_batch(ROWS, 0)
+    fast = values_and_grads(model, lambda: response_logprobs(model, batch, 0.7, with_entropy=True,
+                                                             entropy_grad=True)[:2])
+    assert_same(fast, values_and_grads(model, lambda: reference(model, batch, 0.7)))
+
+
+def test_shared_prefix_logprobs_match_the_full_forward():
+    """Each distinct prompt runs once and its KV cache is shared: same logprobs, entropy and gradients."""
+    model, batch = tiny_lora(), build_batch(ROWS, 0)
+    shared = values_and_grads(model, lambda: shared_prefix_logprobs(model, batch, 0.7, with_entropy=True,
+                                                                    entropy_grad=True)[:2])
+    assert_same(shared, values_and_grads(model, lambda: reference(model, batch, 0.7)))
+    # Nothing to share (every prompt distinct): no shortcut taken.
+    assert shared_prefix_logprobs(model, build_batch(ROWS[1:3], 0), 0.7) is None
+
+
+def test_masked_logprobs_falls_back_when_the_head_cannot_be_split(monkeypatch):
+    model, batch = tiny_lora(), build_batch(ROWS, 0)
+    monkeypatch.setattr(model.get_base_model().config, "final_logit_softcapping", None, raising=False)
+    soft = copy.deepcopy(model)
+    head = soft.get_base_model().lm_head
+    soft.get_base_model().lm_head = torch.nn.Sequential(head)  # logits are no longer a plain Linear of the hidden
+    logprobs, _ = masked_logprobs(soft, batch, 1.0)
+    assert torch.allclose(logprobs, reference(model, batch, 1.0)[0], atol=2e-6)
+
+
+def test_value_head_values_from_the_fast_forward():
+    from agentrl.models.value_head import AutoModelForCausalLMWithValueHead
+
+    model = AutoModelForCausalLMWithValueHead(tiny_lora(), v_head_init_std=0.1).eval()
+    batch = build_batch(ROWS, 0)
+    logprobs, values, _, _ = policy_forward(model, batch, 1.0)
+    fast = response_logprobs(model.pretrained_model, batch, 1.0, value_head=model.v_head)
+    assert torch.allclose(fast[0], logprobs * batch.loss_mask, atol=2e-6)
+    assert torch.allclose(fast[2], values * batch.loss_mask, atol=2e-6)
+
+
+def ppo_step(tiny_base, reuse: bool, corrupt: float = 0.0):
+    """One PPO step on fixed queries and responses; with `reuse`, step() finds generate()'s logprobs/values."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentrl import PPOConfig, PPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(tiny_base)
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_base),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    trainer = PPOTrainer(PPOConfig(batch_size=4, mini_batch_size=2, ppo_epochs=2, learning_rate=1e-2,
+                                   reuse_rollout_logprobs=reuse, value_head_init_std=0.1), model, None, tok)
+    queries = [tok(f"Question: What is {i} + 1{i}?\n", return_tensors="pt")["input_ids"][0] for i in range(4)]
+    torch.manual_seed(1)
+    responses = trainer.generate(queries, return_prompt=False, max_new_tokens=6)
+    for key, (logprobs, values) in trainer._generated.items():
+        logprobs[:] = [x + corrupt for x in logprobs]
+    torch.manual_seed(2)
+    stats = trainer.step(queries, responses, [1.0, 0.0, -1.0, 0.5])
+    return stats, [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad]
+
+
+@pytest.mark.slow
+def test_ppo_reusing_the_samplers_logprobs_and_values_gives_the_same_step(tiny_base):
+    """Old logprobs and values kept from the sampler (no old forward) give the update of the old forward,
+    within float noise; a sampler that disagrees (here by 0.01 nats a token) falls back to the forward exactly."""
+    reused, reused_params = ppo_step(tiny_base, reuse=True)
+    plain, plain_params = ppo_step(tiny_base, reuse=False)
+    assert reused["rollout/logprob_mismatch_mean"] < 1e-5  # checked on the first mini-batch, before any update
+    for key in ("ppo/loss/total", "ppo/loss/value", "objective/kl", "ppo/val/vpred", "ppo/policy/approxkl"):
+        assert reused[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), key
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(reused_params, plain_params))
+    fallback, fallback_params = ppo_step(tiny_base, reuse=True, corrupt=0.01)
+    assert fallback["rollout/logprob_mismatch_mean"] == pytest.approx(0.01, rel=1e-3)  # the full batch's check
+    assert fallback["ppo/loss/total"] == plain["ppo/loss/total"]
+    assert all(torch.equal(a, b) for a, b in zip(fallback_params, plain_params))
+
+
+def test_a_batch_of_slow_tool_calls_overlaps():
+    """ToolEnv episodes of one turn are stepped from threads: 8 calls of a 0.3 s tool take far less than 2.4 s,
+    and each episode gets its own result, in order."""
+    import time
+
+    from agentrl.envs import ToolEnv
+    from agentrl.rollout.engine import _step_all
+
+    def lookup(key: str) -> str:
+        """Look a key up slowly.
+
+        Args:
+            key: the key
+        """
+        time.sleep(0.3)
+        return key.upper()
+
+    envs = [ToolEnv([lookup], check=lambda task, answer: True) for _ in range(8)]
+    for i, env in enumerate(envs):
+        env.reset({"question": f"q{i}", "answer": ""})
+    started = time.perf_counter()
+    results = _step_all(envs, [f'Action: lookup("k{i}")\n' for i in range(8)])
+    assert time.perf_counter() - started < 1.2
+    assert [r.observation.strip() for r in results] == [f"Observation: K{i}" for i in range(8)]
+
+
+def test_sampler_shares_identical_prompts_and_reads_values():
+    """Copies of a prompt are prefilled once (GRPO groups); the logprobs and values kept by the sampler are
+    those a full forward of the value-head model computes on the sampled ids."""
+    from agentrl.models.value_head import AutoModelForCausalLMWithValueHead
+    from agentrl.rollout import SamplingParams, sample_batch
+
+    model = AutoModelForCausalLMWithValueHead(tiny_lora(), v_head_init_std=0.1).eval()
+    contexts = [P1, P1, [1, 9, 4], P1, [1, 9, 4]]
+    samples = sample_batch(model.pretrained_model, contexts, SamplingParams(max_new_tokens=5, temperature=0.8), 2, 0,
+                           generator=torch.Generator().manual_seed(0), value_head=model.v_head)
+    batch = build_batch([(c + s.ids, [0] * len(c) + [1] * len(s.ids), []) for c, s in zip(contexts, samples)], 0)
+    logprobs, values, _, _ = policy_forward(model, batch, 0.8)
+    for i, (c, s) in enumerate(zip(contexts, samples)):
+        span = slice(len(c) - 1, len(c) - 1 + len(s.ids))
+        assert torch.allclose(logprobs[i, span], torch.tensor(s.logprobs), atol=1e-5)
+        assert torch.allclose(values[i, span], torch.tensor(s.values), atol=1e-5)
+
+
+@pytest.mark.parametrize("reuse_kv", [True, False])
+def test_multi_turn_rollout_on_the_kv_cache_keeps_exact_logprobs(tiny_base, monkeypatch, reuse_kv):
+    """Later turns run on the cache of the earlier ones (holes where rows waited, observations appended): the
+    sampler's logprobs are still those of one forward over the whole episode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import agentrl.rollout.engine as engine
+    from agentrl.envs import CalculatorEnv, calculator_tasks
+    from agentrl.rollout import SamplingParams, rollout
+    from agentrl.trainers.common import episodes_to_batch
+
+    monkeypatch.setattr(engine, "REUSE_KV", reuse_kv)
+
+    class ForcedCall(CalculatorEnv):  # a tool call in the first turn of every other episode
+        def step(self, action):
+            if self._turns == 0 and int(self._task["answer"]) % 2:
+                action = "Action: calculator(2 + 3)\n"
+            return super().step(action)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_base).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_base)
+    episodes = rollout(model, tok, ForcedCall, calculator_tasks(8, seed=1, split="eval"),
+                       SamplingParams(max_new_tokens=10), generator=torch.Generator().manual_seed(0))
+    assert any(ep.num_turns > 1 for ep in episodes)
+    batch = episodes_to_batch(episodes, tok.pad_token_id)
+    recomputed = lm_logprobs(model, batch, 1.0)
+    assert ((recomputed - batch.logprobs).abs() * batch.loss_mask).max() < 1e-4
+
+
+def test_length_buckets_give_the_one_forward_numbers_and_gradients(monkeypatch):
+    monkeypatch.setattr(common, "BUCKET_MIN_SAVING", 0.0)
+    model = tiny_lora()
+    rows = ROWS + [([1] + list(range(10, 40)), [0] + [1] * 30, [])]  # one long row: most positions are padding
+    batch = build_batch(rows, 0)
+    split = values_and_grads(model, lambda: common.by_length(
+        lambda b: response_logprobs(model, b, 0.7, with_entropy=True, entropy_grad=True)[:2], batch))
+    assert_same(split, values_and_grads(model, lambda: reference(model, batch, 0.7)))
