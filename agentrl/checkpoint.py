@@ -32,6 +32,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from agentrl.distributed import is_main_process, wait_for_everyone
+
 
 def save_atomically(out_dir: str | Path, write: Callable[[str], object]) -> None:
     """Call `write(tmp)` on a temporary sibling directory, then swap it into place as `out_dir`."""
@@ -317,7 +319,8 @@ def resolve_resume(resume: str | None, out_dir: str | Path) -> Path | None:
 
 
 def _say(message: str) -> None:
-    print(f"agentrl: {message}", file=sys.stderr, flush=True)
+    if is_main_process():
+        print(f"agentrl: {message}", file=sys.stderr, flush=True)
 
 
 # --- the training loops' side ------------------------------------------------------------------------------
@@ -343,8 +346,15 @@ class Checkpointer:
         self.in_loop = False
 
     def save(self, step: int, trainer_state: dict | None = None) -> Path | None:
-        """Write checkpoint `step-N` with the trainer's and the job's state; drop old and stale ones."""
+        """Write checkpoint `step-N` with the trainer's and the job's state; drop old and stale ones.
+
+        Several processes: every rank calls it (the trainer's state is gathered collectively before), the main
+        process writes, and the others wait until it has."""
         if not self.every:
+            return None
+        if not is_main_process():
+            wait_for_everyone()
+            self.last_saved = self.root / f"step-{step:06d}"
             return None
         state = {"trainer": trainer_state, "job": self.job_state() if self.job_state else None,
                  "nonfinite_streak": self.nonfinite_streak}
@@ -361,6 +371,7 @@ class Checkpointer:
         kept = [p for s, p in found if s <= step]
         for p in kept[:-self.keep]:
             shutil.rmtree(p, ignore_errors=True)
+        wait_for_everyone()
         return path
 
     def restore(self, state: dict) -> None:
@@ -378,6 +389,12 @@ class Checkpointer:
                     f"checkpoint: {self.last_saved or latest_valid(self.root) or 'none'}")
         else:
             self.nonfinite_streak = 0
+        accelerator = getattr(trainer, "accelerator", None)
+        if accelerator is not None and accelerator.num_processes > 1:
+            # A signal that reached one rank stops every rank after this step (the others would wait forever).
+            asked = accelerator.reduce(torch.tensor(float(self.signal is not None), device=accelerator.device), "sum")
+            if asked.item() and self.signal is None:
+                self.signal = signal.SIGTERM
         if self.every and (step % self.every == 0 or last or self.signal is not None):
             self.save(step, trainer.state_dict())
         if self.signal is not None:
@@ -446,10 +463,11 @@ def open_run(out_dir: str | Path, resume: str | None, config: dict) -> dict | No
     root = Path(out_dir) / "checkpoints"
     path = resolve_resume(resume, out_dir)
     if path is None:
-        if root.exists() and not resume:  # resume=auto without a checkpoint keeps the stored evaluations
+        if root.exists() and not resume and is_main_process():  # resume=auto without one keeps stored evaluations
             if checkpoints(root):
                 _say(f"fresh start: removing the old checkpoints in {root} (resume=auto continues a run instead)")
             shutil.rmtree(root)
+        wait_for_everyone()
         return None
     state = read_checkpoint(path)
     saved = _flatten(((state.get("job") or {}).get("config")) or {})
@@ -464,7 +482,13 @@ def open_run(out_dir: str | Path, resume: str | None, config: dict) -> dict | No
 
 def cached_eval(out_dir: str | Path, name: str, config: dict, compute: Callable[[], dict]) -> dict:
     """An evaluation stored in out_dir/checkpoints/eval-<name>.json for this config, or computed and stored,
-    so a resumed run does not redo it."""
+    so a resumed run does not redo it.
+
+    Several processes: the main process evaluates (the whole held-out set, so the figures do not depend on the
+    number of processes) and the others get None without waiting.
+    """
+    if not is_main_process():
+        return None
     path = Path(out_dir) / "checkpoints" / f"eval-{name}.json"
     if path.exists():
         try:

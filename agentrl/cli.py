@@ -24,7 +24,8 @@ def _cmd_ppo(args) -> int:
 
     config = load_job(args.config, args.overrides)
     summary = run_job(config)
-    _print_summary(summary)
+    if summary is not None:  # several processes: the main one reports
+        _print_summary(summary)
     return 0
 
 
@@ -32,7 +33,8 @@ def _cmd_grpo(args) -> int:
     from agentrl.jobs.ppo import load_job, run_job
 
     summary = run_job(load_job(args.config, ["algo=grpo", *args.overrides]))
-    _print_summary(summary)
+    if summary is not None:  # several processes: the main one reports
+        _print_summary(summary)
     return 0
 
 
@@ -54,6 +56,8 @@ def _cmd_dpo(args) -> int:
     from agentrl.jobs.dpo import load_dpo_job, run_dpo_job
 
     summary = run_dpo_job(load_dpo_job(args.config, args.overrides))
+    if summary is None:  # several processes: the main one reports
+        return 0
     _print_summary(summary)
     print(f"pairs: {summary['pairs']} (ties skipped: {summary['ties_skipped']})")
     return 0
@@ -98,6 +102,8 @@ def _cmd_quickstart(args) -> int:
 
     overrides = [f"out_dir={args.out}"] + args.overrides
     summary = run_job(load_job("quickstart", overrides))
+    if summary is None:  # several processes: the main one reports
+        return 0
     _print_summary(summary)
     print(f"summary written to {args.out}/summary.json")
     return 0

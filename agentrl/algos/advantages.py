@@ -24,12 +24,15 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
+           moments: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Normalise `x` to unit variance over mask-1 positions; with `shift_mean`, also to mean 0.
 
     x, mask: (B, T). Positions with mask 0 are returned as 0 so they can never leak into a loss.
+    moments: (mean, unbiased variance) to use instead of x's own, e.g. those of the global batch of
+    several processes.
     """
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    mean, var = moments if moments is not None else (masked_mean(x, mask), masked_var(x, mask))
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean

@@ -191,7 +191,15 @@ def prepare_run(model_cfg: ModelSection, env_cfg: EnvSection, rollout_cfg: Rollo
     eval_tasks = tasks_of(env_cfg, env_cfg.eval_tasks, eval_seed, "eval")
     base_dir = model_cfg.base
     if base_dir == "embedded":
-        base_dir = embedded_model(model_cfg, env_cfg, eval_tasks, sft, renders_chat(env_factory()), progress)
+        from agentrl.distributed import is_main_process, wait_for_everyone
+
+        # Several processes: the main one builds (or finds) the cached model, then the others read it.
+        if not is_main_process():
+            wait_for_everyone()
+        base_dir = embedded_model(model_cfg, env_cfg, eval_tasks, sft, renders_chat(env_factory()),
+                                  progress and is_main_process())
+        if is_main_process():
+            wait_for_everyone()
     model, tokenizer = load_base(base_dir)
     return Run(base_dir, model, tokenizer, env_factory, eval_tasks, rollout_cfg.max_new_tokens, eval_seed)
 

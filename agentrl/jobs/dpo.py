@@ -58,6 +58,7 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
     import torch
 
     from agentrl.checkpoint import Checkpointer, cached_eval, file_size, open_run, run_config, write_json, write_jsonl
+    from agentrl.distributed import end_processes, finish_trackers, is_main_process, partial_state, world_banner
     from agentrl.jobs.preferences import sample_pairs
     from agentrl.preferences import PreferenceExample, pair_to_example
     from agentrl.rollout.sampling import SamplingParams
@@ -66,6 +67,9 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
     from agentrl.trainers.dpo import DPOTrainer
 
     started = time.time()
+    procs = partial_state()  # first: under torchrun without a GPU, the CPU process group (see agentrl.distributed)
+    if procs.is_main_process:
+        print(f"agentrl: {world_banner()}", flush=True)
     out = Path(config.out_dir)
     warn_ineffective(config, "dpo")
     if config.data is not None and config.iterative != IterativeSection():
@@ -102,7 +106,8 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
         dpo_cfg = replace(config.dpo, output_dir=str(out / "adapter"), progress=config.progress,
                           logging_dir=config.dpo.logging_dir or str(out))
         samples = live["samples"] = SamplesLog(out / "samples.jsonl", tokenizer, config.sample_every,
-                                               config.samples_per_step if config.data is None else 0,
+                                               config.samples_per_step if config.data is None and
+                                               procs.is_main_process else 0,
                                                source="iterative-dpo",
                                                resume_bytes=job.get("samples_bytes") if state else None)
         trainer = None
@@ -114,7 +119,7 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
                 checkpointer.restore(state)
             with checkpointer.loop():
                 trainer.train(metrics_path=str(out / "metrics.jsonl"), checkpointer=checkpointer)
-            trainer.accelerator.end_training()  # flush and close the trackers' files
+            finish_trackers(trainer.accelerator)
             job["total_pairs"], job["steps"] = len(trainer.examples), trainer.total_steps
         else:
             cycler = live["cycler"] = TaskCycler(run.train_tasks(config.env.tasks, config.env.train_tasks,
@@ -129,10 +134,17 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
                     examples, record = [PreferenceExample(**ex) for ex in job["examples"]], job["record"]
                 else:
                     model.eval()
-                    pairs, ties, rows = sample_pairs(model, tokenizer, env_factory,
-                                                     cycler.draw(config.iterative.tasks_per_round),
-                                                     config.iterative.samples, sampling)
-                    write_jsonl(out / f"pairs-round{r}.jsonl", rows)
+                    # Several processes: each samples its share of the round's tasks; all get every pair.
+                    with procs.split_between_processes(cycler.draw(config.iterative.tasks_per_round)) as mine:
+                        pairs, ties, rows = sample_pairs(model, tokenizer, env_factory, mine,
+                                                         config.iterative.samples, sampling)
+                    if procs.num_processes > 1:
+                        from accelerate.utils import gather_object
+
+                        pairs, rows = gather_object(pairs), gather_object(rows)
+                        ties = sum(gather_object([ties]))
+                    if procs.is_main_process:
+                        write_jsonl(out / f"pairs-round{r}.jsonl", rows)
                     samples.write_pairs(r, pairs)
                     job["total_pairs"], job["total_ties"] = job["total_pairs"] + len(pairs), job["total_ties"] + ties
                     record = {"round": r, "pairs": len(pairs), "ties_skipped": ties,
@@ -155,7 +167,7 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
                     with checkpointer.loop():
                         history = trainer.train(metrics_path=str(out / f"metrics-round{r}.jsonl"),
                                                 checkpointer=checkpointer)
-                    trainer.accelerator.end_training()
+                    finish_trackers(trainer.accelerator)
                     job["steps"] += trainer.total_steps
                     record.update({k: history[-1][k] for k in ("loss", "rewards/accuracies", "rewards/margins")})
                 job["rounds"].append(record)
@@ -167,6 +179,9 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
             raise RuntimeError("no preference pairs were produced in any round; nothing to train on")
         trainer.save_model(str(adapter_dir))
         after = cached_eval(out, "after", fingerprint, lambda: run.evaluate_both(model, config.iterative.temperature))
+    if not is_main_process():  # the main process evaluates and writes the summary; the others are done
+        end_processes()
+        return None
     summary = {
         "before": before["greedy"], "after": after["greedy"],
         "before_sampled": before["sampled"], "after_sampled": after["sampled"],
@@ -177,5 +192,6 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
         "base_model_dir": str(run.base_dir), "adapter_dir": str(adapter_dir), "config": summary_config(config),
     }
     write_json(out / "summary.json", summary)
+    end_processes()
     return summary
 

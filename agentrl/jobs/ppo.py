@@ -67,11 +67,15 @@ def run_job(config: JobConfig) -> dict:
     import torch
 
     from agentrl.checkpoint import Checkpointer, cached_eval, open_run, run_config, write_json
+    from agentrl.distributed import end_processes, finish_trackers, is_main_process, partial_state, world_banner
     from agentrl.rollout.sampling import SamplingParams
     from agentrl.trainers.grpo import GRPOTrainer
     from agentrl.trainers.ppo import PPOTrainer
 
     started = time.time()
+    partial_state()  # first: under torchrun without a GPU, the CPU process group (see agentrl.distributed)
+    if is_main_process():
+        print(f"agentrl: {world_banner()}", flush=True)
     out = Path(config.out_dir)
     warn_ineffective(config, config.algo)
     fingerprint = run_config(to_dict(config))
@@ -122,20 +126,25 @@ def run_job(config: JobConfig) -> dict:
                           metrics_path=str(out / "metrics.jsonl"), progress=config.progress, score_hook=score_hook,
                           checkpointer=checkpointer)
         ppo_seconds = time.time() - ppo_started
-        trainer.accelerator.end_training()  # flush and close the trackers' files
+        finish_trackers(trainer.accelerator)
         adapter_dir = out / ("adapter" if config.model.lora else "model")
         trainer.save_pretrained(str(adapter_dir))
         after = cached_eval(out, "after", fingerprint, lambda: run.evaluate_both(trainer.policy, algo_config.temperature))
+    if not is_main_process():  # the main process evaluates and writes the summary; the others are done
+        end_processes()
+        return None
     summary = {
         "before": before["greedy"], "after": after["greedy"],
         "before_sampled": before["sampled"], "after_sampled": after["sampled"],
         "algo": config.algo, "steps": config.steps, "ppo_steps": config.steps if config.algo == "ppo" else 0,
-        "episodes": config.steps * algo_config.batch_size,
+        "episodes": config.steps * algo_config.batch_size * trainer.accelerator.num_processes,
+        "num_processes": trainer.accelerator.num_processes,
         "eval_tasks": len(eval_tasks), "train_seconds": round(ppo_seconds, 1),
         "wall_seconds": round(time.time() - started, 1),
         "base_model_dir": str(run.base_dir), "adapter_dir": str(adapter_dir), "config": summary_config(config),
     }
     write_json(out / "summary.json", summary)
+    end_processes()
     return summary
 
 

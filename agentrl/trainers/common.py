@@ -13,6 +13,9 @@ from pathlib import Path
 import torch
 
 from agentrl.algos.losses import entropy_from_logits
+from agentrl.distributed import (all_finite, gathered_for_generation, global_logprob_mismatch,  # noqa: F401
+                                 global_masked_moments, global_token_scale, make_accelerator, mean_over_processes,
+                                 sum_over_processes)
 from agentrl.rollout.engine import Episode
 from agentrl.rollout.sampling import position_ids  # noqa: F401  (re-exported for trainers)
 
@@ -142,11 +145,16 @@ def guarded_step(accelerator, model: torch.nn.Module, optimizer, loss: torch.Ten
     `train/skipped_nonfinite`.
     """
     nonfinite = 0
-    if torch.isfinite(loss):
+    finite = bool(torch.isfinite(loss))
+    if accelerator.num_processes > 1:
+        # Every rank must take the same branch: a rank that skipped backward would leave the others waiting
+        # in DDP's gradient all-reduce.
+        finite = all_finite(accelerator, finite)
+    if finite:
         accelerator.backward(loss)
     else:
         nonfinite += 1
-    if accelerator.sync_gradients and not grads_finite(model):
+    if accelerator.sync_gradients and not all_finite(accelerator, grads_finite(model)):  # FSDP: per-shard check
         nonfinite += 1
         optimizer.zero_grad(set_to_none=True)  # no gradient left: the step changes nothing
     if accelerator.sync_gradients and max_grad_norm is not None:
@@ -156,27 +164,104 @@ def guarded_step(accelerator, model: torch.nn.Module, optimizer, loss: torch.Ten
 
 
 def trainer_state(trainer, **extra) -> dict:
-    """The state every trainer checkpoints: trainable weights, optimizer, step, RNGs, task position, log size."""
+    """The state every trainer checkpoints: trainable weights, optimizer, step, RNGs, task position, log size.
+
+    Called on every process (gathering weights under FSDP / ZeRO-3 is collective); the main process writes it.
+    """
     from agentrl.checkpoint import file_size, rng_state, trainable_state
 
+    from agentrl.distributed import sharded
+
+    accelerator = trainer.accelerator
     cycler = getattr(trainer, "cycler", None)
-    return {"model": trainable_state(trainer.accelerator.unwrap_model(trainer.model)),
-            "optimizer": trainer.optimizer.state_dict(), "accelerator_step": trainer.accelerator.step,
-            "current_step": trainer.current_step, "rng": rng_state(),
+    # One process or DDP: every rank holds the whole model and the same optimizer state.
+    model = None if sharded(accelerator) else trainable_state(accelerator.unwrap_model(trainer.model))
+    if accelerator.num_processes == 1:
+        optimizer, rng = trainer.optimizer.state_dict(), rng_state()
+    else:
+        model, optimizer, rng = _distributed_state(trainer, model)
+    return {"model": model, "optimizer": optimizer, "accelerator_step": accelerator.step,
+            "current_step": trainer.current_step, "rng": rng,
             "cycler": cycler.state_dict() if cycler is not None else None,
             "metrics_bytes": file_size(trainer.metrics_log.path),
             "samples_bytes": file_size(getattr(getattr(trainer, "samples_log", None), "path", None)), **extra}
 
 
-def load_trainer_state(trainer, state: dict) -> None:
-    """Inverse of trainer_state; the task position and log size are applied when train() starts."""
-    from agentrl.checkpoint import load_trainable, set_rng_state
+def _trainable_names(accelerator, model) -> list[str]:
+    """Names of the trainable parameters as the unwrapped model's state_dict spells them (FSDP's wrapper
+    prefixes removed)."""
+    names = [n for n, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad]
+    return [n.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "") for n in names]
 
-    load_trainable(trainer.accelerator.unwrap_model(trainer.model), state["model"])
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.accelerator.step = state["accelerator_step"]
+
+def _distributed_state(trainer, model: dict | None) -> tuple[dict, dict, object]:
+    """(trainable weights, optimizer state, RNG states of every rank) of a multi-process run.
+
+    Weights (`model`, None when sharded): accelerator.get_state_dict gathers the full tensors under FSDP and
+    ZeRO-3 (a collective; under ZeRO-3 it needs `stage3_gather_16bit_weights_on_model_save: true`, which the
+    shipped config sets); the value-head model's state_dict may spell LM keys without "pretrained_model.". The
+    optimizer: under DDP every rank holds the same state; under FSDP torch's get_optimizer_state_dict gathers
+    the full one; under DeepSpeed the engine owns it and it is not checkpointed (resume restarts the moments).
+    RNGs: each rank's own (they were seeded differently), so a resumed run continues every rank's stream.
+    """
+    from accelerate.utils import DistributedType, gather_object
+
+    from agentrl.checkpoint import rng_state
+
+    accelerator = trainer.accelerator
+    if model is None:
+        full = accelerator.get_state_dict(trainer.model) or {}
+        model = {}
+        for n in _trainable_names(accelerator, trainer.model):
+            key = n if n in full else n.removeprefix("pretrained_model.")
+            if key in full:
+                model[n] = full[key]
+    if accelerator.distributed_type == DistributedType.FSDP:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        optimizer = get_optimizer_state_dict(trainer.model, trainer.optimizer.optimizer,
+                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    elif accelerator.distributed_type == DistributedType.DEEPSPEED:
+        optimizer = None
+    else:
+        optimizer = trainer.optimizer.state_dict()
+    return model, optimizer, {"ranks": gather_object([rng_state()])}
+
+
+def load_trainer_state(trainer, state: dict) -> None:
+    """Inverse of trainer_state (on every process); the task position and log size are applied when train()
+    starts."""
+    from accelerate.utils import DistributedType
+
+    from agentrl.checkpoint import CheckpointError, load_trainable, set_rng_state
+
+    accelerator = trainer.accelerator
+    kind = accelerator.distributed_type
+    if kind == DistributedType.FSDP:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(trainer.model, state["model"], options=options)
+        set_optimizer_state_dict(trainer.model, trainer.optimizer.optimizer, state["optimizer"], options=options)
+    elif kind == DistributedType.DEEPSPEED:
+        raise CheckpointError("resuming under DeepSpeed is not supported: agentrl checkpoints hold gathered weights "
+                              "but not DeepSpeed's optimizer partitions; resume with DDP or FSDP, or start fresh")
+    else:
+        load_trainable(accelerator.unwrap_model(trainer.model), state["model"])
+        trainer.optimizer.load_state_dict(state["optimizer"])
+    accelerator.step = state["accelerator_step"]
     trainer.current_step = state["current_step"]
-    set_rng_state(state["rng"])
+    rng = state["rng"]
+    if "ranks" in rng:  # written by a multi-process run: each rank takes its own stream
+        if len(rng["ranks"]) != accelerator.num_processes:
+            raise CheckpointError(f"the checkpoint was written by {len(rng['ranks'])} processes, this run has "
+                                  f"{accelerator.num_processes}; resume with the same number of processes")
+        rng = rng["ranks"][accelerator.process_index]
+    elif accelerator.num_processes > 1:
+        raise CheckpointError(f"the checkpoint was written by 1 process, this run has {accelerator.num_processes}; "
+                              "resume with the same number of processes")
+    set_rng_state(rng)
     trainer.resumed = {"cycler": state["cycler"], "metrics_bytes": state["metrics_bytes"]}
 
 
@@ -406,8 +491,11 @@ def masked_logprobs(model, batch: TokenBatch, temperature: float, with_entropy: 
     """(logprobs, entropy or None), each (B, T-1), at the positions where batch.loss_mask is 1 (0 elsewhere),
     by the cheapest exact path: shared prefixes run once (shared_prefix_logprobs), else the LM head only at
     those positions (response_logprobs), else the full forward. The entropy is a detached statistic."""
-    out = shared_prefix_logprobs(model, batch, temperature, with_entropy)
-    if out is None:
+    # A model wrapped for several processes (DDP, FSDP, DeepSpeed) must run its own forward, where its
+    # gradient hooks live: the full forward.
+    wrapped = type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine")
+    out = None if wrapped else shared_prefix_logprobs(model, batch, temperature, with_entropy)
+    if out is None and not wrapped:
         out = response_logprobs(model, batch, temperature, with_entropy)
     if out is not None:
         return out[0], out[1]
@@ -463,7 +551,8 @@ class MetricsLog:
     the accelerator has trackers (TensorBoard, W&B, ...), its numbers sent to them."""
 
     def __init__(self, path: str | Path | None, accelerator=None, resume_bytes: int | None = None):
-        self.path = Path(path) if path else None
+        main = accelerator is None or accelerator.is_main_process  # several processes: the main one writes
+        self.path = Path(path) if path and main else None
         self.accelerator = accelerator
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -20,14 +20,13 @@ from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from agentrl.algos.dpo import dpo_loss
 from agentrl.preferences import PreferenceExample, load_preferences
 from agentrl.trainers.common import (MetricsLog, build_batch, finite_or_raise, guarded_step, load_trainer_state,
-                                     masked_logprobs, norm_gain_parameters, optimizer_groups, progress_bar,
-                                     resumed_metrics, trainer_state)
+                                     make_accelerator, masked_logprobs, mean_over_processes, norm_gain_parameters,
+                                     optimizer_groups, progress_bar, resumed_metrics, trainer_state)
 
 
 @dataclass
@@ -104,7 +103,9 @@ class DPOTrainer:
         if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
             if not torch.cuda.is_available():
                 raise ValueError("4-/8-bit quantized models need a CUDA GPU; load the model without load_in_4bit")
-        set_seed(config.seed)
+        from agentrl.distributed import partial_state
+
+        set_seed(config.seed + partial_state().process_index)  # each rank its own stream; rank 0 = one process
         if peft_config is not None:
             from peft import get_peft_model
 
@@ -127,7 +128,7 @@ class DPOTrainer:
                                                                 config.max_prompt_length, config.skip_bad_rows)
         report = config.report_to if config.report_to not in ("none", [], None) else None
         mixed = "fp16" if config.fp16 else "bf16" if config.bf16 else "no"
-        self.accelerator = Accelerator(gradient_accumulation_steps=config.gradient_accumulation_steps,
+        self.accelerator = make_accelerator(gradient_accumulation_steps=config.gradient_accumulation_steps,
                                        mixed_precision=mixed, log_with=report,
                                        project_dir=config.logging_dir or config.output_dir)
         if report:
@@ -226,7 +227,8 @@ class DPOTrainer:
         resumed = self.resumed or {}
         self.metrics_log = resumed_metrics(self, metrics_path)
         size, accum = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
-        per_epoch = max(1, math.ceil(len(self.examples) / size) // accum)
+        world = self.accelerator.num_processes  # each rank trains on its own size pairs of every draw
+        per_epoch = max(1, math.ceil(len(self.examples) / (size * world)) // accum)
         total = cfg.max_steps if cfg.max_steps > 0 else max(1, int(per_epoch * cfg.num_train_epochs))
         self.lr_scheduler = scheduler = get_scheduler(cfg.lr_scheduler_type, self.optimizer, cfg.warmup_steps, total)
         self.total_steps = total
@@ -240,7 +242,7 @@ class DPOTrainer:
             self.rng.setstate(loop["rng"])
             self.order, self.acc = list(loop["order"]), defaultdict(list, loop["acc"])
             self.history = list(loop["history"])
-        bar = progress_bar(total, "DPO", cfg.progress)
+        bar = progress_bar(total, "DPO", cfg.progress and self.accelerator.is_main_process)
         if bar is not None:
             bar.update(self.current_step)
         # Dropout off: the reference is the same network, and DPO's implicit reward compares the two.
@@ -249,12 +251,14 @@ class DPOTrainer:
         while self.current_step < total:
             skipped = 0
             for _ in range(accum):
-                if len(self.order) < size:
+                # Every rank holds every pair and the same order (same seed); each takes its slice of a draw.
+                if len(self.order) < size * world:
                     fresh = list(range(len(self.examples)))
                     self.rng.shuffle(fresh)
                     self.order += fresh
-                batch = [self.examples[i] for i in self.order[:size]]
-                del self.order[:size]
+                with self.accelerator.split_between_processes(self.order[:size * world]) as mine:
+                    batch = [self.examples[i] for i in mine]
+                del self.order[:size * world]
                 with self.accelerator.accumulate(self.model):
                     ref_c, ref_r = self.reference_logps(batch)
                     with self.accelerator.autocast():
@@ -283,6 +287,7 @@ class DPOTrainer:
             step = self.current_step
             if step % cfg.logging_steps == 0 or step == total:
                 row = {k: sum(v) / len(v) for k, v in acc.items() if k != "train/skipped_nonfinite"}
+                row = mean_over_processes(self.accelerator, row)  # every rank had as many pairs
                 row["train/skipped_nonfinite"] = sum(acc["train/skipped_nonfinite"])  # updates skipped since the last row
                 row.update({"step": step, "learning_rate": scheduler.get_last_lr()[0],
                             "skipped_rows": self.skipped_rows, "elapsed": time.time() - started})
@@ -343,12 +348,19 @@ class DPOTrainer:
     def save_model(self, output_dir: str | None = None) -> None:
         """Adapter (under LoRA) or model + tokenizer, written atomically; refuses non-finite weights."""
         from agentrl.checkpoint import save_atomically
+        from agentrl.distributed import gathered_state_dict
 
+        full = gathered_state_dict(self.accelerator, self.model)  # FSDP / ZeRO-3: every rank takes part
+        if not self.accelerator.is_main_process:  # several processes: the main one writes
+            self.accelerator.wait_for_everyone()
+            return
         model = self.accelerator.unwrap_model(self.model)
-        finite_or_raise(model)
+        if full is None:
+            finite_or_raise(model)
 
         def write(tmp: str) -> None:
-            model.save_pretrained(tmp)
+            model.save_pretrained(tmp, **({} if full is None else {"state_dict": full}))
             self.tokenizer.save_pretrained(tmp)
 
         save_atomically(output_dir or self.config.output_dir, write)
+        self.accelerator.wait_for_everyone()

@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Literal
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from agentrl.algos import group_advantages, grpo_loss, masked_mean, rloo_advantages, zero_variance_fraction
@@ -24,8 +23,9 @@ from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams
 from agentrl.samples import SamplesLog
 from agentrl.trainers.common import (MetricsLog, TokenBatch, check_batch, episodes_to_batch, finite_or_raise,
-                                     guarded_step, load_trainer_state, logprob_mismatch, masked_logprobs,
-                                     norm_gain_parameters, optimizer_groups, progress_bar, resumed_cycler,
+                                     gathered_for_generation, global_logprob_mismatch, global_token_scale,
+                                     guarded_step, load_trainer_state, logprob_mismatch, make_accelerator,
+                                     masked_logprobs, mean_over_processes, norm_gain_parameters, optimizer_groups, progress_bar, resumed_cycler,
                                      resumed_metrics, trainer_state)
 
 
@@ -78,10 +78,10 @@ class GRPOTrainer:
 
     def __init__(self, config: GRPOConfig, model, tokenizer, ref_model=None, optimizer=None):
         self.config = config
-        set_seed(config.seed)
-        self.accelerator = Accelerator(gradient_accumulation_steps=config.gradient_accumulation_steps,
-                                       mixed_precision=config.mixed_precision, log_with=config.log_with,
-                                       project_dir=config.project_dir)
+        self.accelerator = make_accelerator(gradient_accumulation_steps=config.gradient_accumulation_steps,
+                                            mixed_precision=config.mixed_precision, log_with=config.log_with,
+                                            project_dir=config.project_dir)
+        set_seed(config.seed + self.accelerator.process_index)  # each rank its own stream; rank 0 = one process
         self.tokenizer = tokenizer
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token  # masks never come from pad ids
@@ -124,16 +124,20 @@ class GRPOTrainer:
             raise ValueError(f"sampling temperature {sampling.temperature} != GRPOConfig.temperature {cfg.temperature}")
         self.metrics_log = resumed_metrics(self, metrics_path)
         cycler, history = resumed_cycler(self, tasks, cfg.seed), []
-        bar = progress_bar(steps, cfg.advantage.upper(), progress)
+        bar = progress_bar(steps, cfg.advantage.upper(), progress and self.accelerator.is_main_process)
         for i in range(steps):
-            # Consecutive copies of a task form its group: (task_0 x G, task_1 x G, ...).
-            batch_tasks = [t for t in cycler.draw(cfg.tasks_per_step) for _ in range(cfg.num_generations)]
+            # Every rank draws the same tasks and keeps its own tasks_per_step of them (tasks, not episodes,
+            # are split: a group never spans two ranks). Consecutive copies of a task form its group.
+            global_tasks = cycler.draw(cfg.tasks_per_step * self.accelerator.num_processes)
+            with self.accelerator.split_between_processes(global_tasks) as my_tasks:
+                batch_tasks = [t for t in my_tasks for _ in range(cfg.num_generations)]
             started = time.time()
-            episodes = rollout(self.policy, self.tokenizer, env_factory, batch_tasks, sampling)
+            with gathered_for_generation(self.accelerator, self.model):
+                episodes = rollout(self.policy, self.tokenizer, env_factory, batch_tasks, sampling)
             if score_hook is not None:  # e.g. reward models adding to the environment's scores
                 score_hook(episodes)
             stats = self._update(episodes)
-            stats.update(episode_metrics(episodes))
+            stats.update(mean_over_processes(self.accelerator, episode_metrics(episodes)))
             stats["time/rollout"] = time.time() - started - stats["time/update"]
             self.metrics_log.write(stats, self.current_step)
             self.samples_log.write(self.current_step, episodes, self._sample_tensors)
@@ -212,6 +216,12 @@ class GRPOTrainer:
                     loss, st = grpo_loss(logprobs, mb_old, advantages[idx], mb.loss_mask, cfg.epsilon,
                                          cfg.epsilon_high, cfg.beta, None if ref is None else ref[idx, :w],
                                          cfg.loss_aggregation)
+                    # Several processes, token_mean: a mean over the global mini-batch's tokens. (sequence_mean
+                    # needs nothing: every rank has as many sequences, and DDP averages their means.)
+                    scale = global_token_scale(self.accelerator, mb.loss_mask) if cfg.loss_aggregation == "token_mean" \
+                        else None
+                    if scale is not None:
+                        loss = loss * scale
                     nonfinite += guarded_step(self.accelerator, self.model, self.optimizer, loss, cfg.max_grad_norm)
                     self.optimizer.zero_grad(set_to_none=True)
                 entropy = masked_mean(entropy, mb.loss_mask)
@@ -224,17 +234,22 @@ class GRPOTrainer:
         if at_rollout and full.logprobs is not None:
             width = max(x.shape[1] for x, _, _ in at_rollout)
             pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]))  # noqa: E731
-            stats.update(logprob_mismatch(*(torch.cat([pad(t[k]) for t in at_rollout]) for k in range(3)),
-                                          cfg.logprob_mismatch_threshold))
+            stats.update(global_logprob_mismatch(self.accelerator, logprob_mismatch(
+                *(torch.cat([pad(t[k]) for t in at_rollout]) for k in range(3)), cfg.logprob_mismatch_threshold)))
+        all_scores = scores if self.accelerator.num_processes == 1 else self.accelerator.gather(
+            scores.to(self.accelerator.device)).cpu()  # every rank's episodes, groups whole, in rank order
         stats.update({
             "train/skipped_nonfinite": float(nonfinite),
-            "grpo/mean_scores": scores.mean().item(),
-            "grpo/std_scores": scores.std(unbiased=False).item(),
-            "grpo/zero_variance_groups": zero_variance_fraction(scores, cfg.num_generations),
+            "grpo/mean_scores": all_scores.mean().item(),
+            "grpo/std_scores": all_scores.std(unbiased=False).item(),
+            "grpo/zero_variance_groups": zero_variance_fraction(all_scores, cfg.num_generations),
             "grpo/advantages_abs_mean": advantages.abs().mean().item(),
             "grpo/learning_rate": self.optimizer.param_groups[0]["lr"],
             "time/update": time.time() - t0,
         })
+        # The per-rank means (same number of episodes on every rank); the score stats above are global already.
+        stats = mean_over_processes(self.accelerator, stats, [*acc, "train/skipped_nonfinite",
+                                                              "grpo/advantages_abs_mean"])
         self.current_step += 1
         return stats
 
@@ -260,13 +275,20 @@ class GRPOTrainer:
     def save_pretrained(self, save_directory: str) -> None:
         """Write the policy (adapter under LoRA; model + tokenizer otherwise) atomically, refusing NaNs."""
         from agentrl.checkpoint import save_atomically
+        from agentrl.distributed import gathered_state_dict
 
+        full = gathered_state_dict(self.accelerator, self.model)  # FSDP / ZeRO-3: every rank takes part
+        if not self.accelerator.is_main_process:  # several processes: the main one writes
+            self.accelerator.wait_for_everyone()
+            return
         model = self.policy
-        finite_or_raise(model)
+        if full is None:
+            finite_or_raise(model)
 
         def write(tmp: str) -> None:
-            model.save_pretrained(tmp)
+            model.save_pretrained(tmp, **({} if full is None else {"state_dict": full}))
             if not self.is_peft_model:
                 self.tokenizer.save_pretrained(tmp)
 
         save_atomically(save_directory, write)
+        self.accelerator.wait_for_everyone()

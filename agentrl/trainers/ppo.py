@@ -19,11 +19,11 @@ import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
-from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration, set_seed
 
 from agentrl import core
@@ -34,10 +34,12 @@ from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams, sample_batch
 from agentrl.samples import SamplesLog
 from agentrl.trainers.common import (MetricsLog, TokenBatch, build_batch, by_length, check_batch, episodes_to_batch,
-                                     finite_or_raise, guarded_step, lm_logprobs, load_trainer_state, logprob_mismatch,
+                                     finite_or_raise, gathered_for_generation, global_logprob_mismatch,
+                                     global_masked_moments, global_token_scale, guarded_step, lm_logprobs,
+                                     load_trainer_state, logprob_mismatch, make_accelerator, mean_over_processes,
                                      norm_gain_parameters, optimizer_groups, policy_forward, position_ids,
                                      progress_bar, response_logprobs, resumed_cycler, resumed_metrics,
-                                     trainer_state)
+                                     sum_over_processes, trainer_state)
 from agentrl.trainers.sft import sft_loss
 
 
@@ -209,11 +211,12 @@ class PPOTrainer:
         self.config = config = config or PPOConfig()
         if model is None or tokenizer is None:
             raise ValueError("PPOTrainer needs `model` and `tokenizer`")
-        set_seed(config.seed)
         project = {"project_dir": config.project_dir, **config.project_kwargs}
-        self.accelerator = Accelerator(gradient_accumulation_steps=config.gradient_accumulation_steps,
-                                       mixed_precision=config.mixed_precision, log_with=config.log_with,
-                                       project_config=ProjectConfiguration(**project), **config.accelerator_kwargs)
+        self.accelerator = make_accelerator(gradient_accumulation_steps=config.gradient_accumulation_steps,
+                                            mixed_precision=config.mixed_precision, log_with=config.log_with,
+                                            project_config=ProjectConfiguration(**project), **config.accelerator_kwargs)
+        # Each rank its own stream (seed + rank): rank 0 draws exactly what a single process draws.
+        set_seed(config.seed + self.accelerator.process_index)
         config.world_size = self.accelerator.num_processes
         config.global_backward_batch_size = config.backward_batch_size * config.world_size
         config.global_batch_size = config.batch_size * config.world_size
@@ -506,19 +509,23 @@ class PPOTrainer:
                              f"{self.config.temperature}; logprobs must be computed at the sampling temperature")
         self.metrics_log = resumed_metrics(self, metrics_path)
         cycler, history = resumed_cycler(self, tasks, self.config.seed), []
-        bar = progress_bar(steps, "PPO", progress)
+        bar = progress_bar(steps, "PPO", progress and self.accelerator.is_main_process)
         for i in range(steps):
-            batch_tasks = cycler.draw(self.config.batch_size)
-            started = time.time()
-            episodes = rollout(self.policy, self.tokenizer, env_factory, batch_tasks, sampling,
-                               value_head=self._rollout_value_head)
+            # Every rank draws the same global batch from the same cycler and keeps its own slice: distinct
+            # tasks per rank, one task order to checkpoint (batch_size is per process, as in TRL 0.11).
+            global_tasks = cycler.draw(self.config.batch_size * self.accelerator.num_processes)
+            with self.accelerator.split_between_processes(global_tasks) as batch_tasks:
+                started = time.time()
+                with gathered_for_generation(self.accelerator, self.model):
+                    episodes = rollout(self.policy, self.tokenizer, env_factory, batch_tasks, sampling,
+                                       value_head=self._rollout_value_head)
             if score_hook is not None:  # e.g. reward models adding to the environment's scores
                 score_hook(episodes)
             rollout_seconds = time.time() - started
             batch = episodes_to_batch(episodes, self.tokenizer.pad_token_id, self.config.missing_eos_penalty)
             check_batch(episodes, batch)
             stats = self._update(batch)
-            stats.update(episode_metrics(episodes))
+            stats.update(mean_over_processes(self.accelerator, episode_metrics(episodes)))
             stats["time/rollout"] = rollout_seconds
             self.metrics_log.write(_scalars(stats), self.current_step)
             self.samples_log.write(self.current_step, episodes, self._sample_tensors)
@@ -624,6 +631,7 @@ class PPOTrainer:
             mismatch = {}
             if batch.logprobs is not None and not reuse:
                 mismatch = logprob_mismatch(old_logprobs, batch.logprobs, mask, cfg.logprob_mismatch_threshold)
+                mismatch = global_logprob_mismatch(self.accelerator, mismatch)
             t_forward = time.time()
 
             # Per-token rewards: -beta * KL at every action token, plus each turn's score at its last token.
@@ -650,10 +658,13 @@ class PPOTrainer:
         train_stats["policy/advantages"] = torch.nan_to_num(
             torch.flatten(train_stats["policy/advantages"]).unsqueeze(0), core.WANDB_PADDING)
         query_lens = (mask.float().argmax(-1) + 1).where(mask.any(-1), batch.attention_mask.sum(-1)).float()
+        scores, response_lens = batch.scores.sum(-1), mask.sum(-1).float()
+        if self.is_distributed:  # per-episode numbers of every rank (each has batch_size), for global score stats
+            scores, query_lens, response_lens = (self.accelerator.gather(x) for x in (scores, query_lens, response_lens))
         stats = self.record_step_stats(
-            kl_coef=self.kl_ctl.value, scores=batch.scores.sum(-1), logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+            kl_coef=self.kl_ctl.value, scores=scores, logprobs=old_logprobs, ref_logprobs=ref_logprobs,
             non_score_reward=non_score_rewards, train_stats=train_stats, masks=mask, kls=kl,
-            query_lens=query_lens, response_lens=mask.sum(-1).float())
+            query_lens=query_lens, response_lens=response_lens)
         if self.is_distributed:
             stats = self.gather_stats(stats)
         stats = core.convert_to_scalar(core.stats_to_np(stats))
@@ -698,7 +709,8 @@ class PPOTrainer:
                     with self.accelerator.autocast():
                         logprobs, vpred, entropy, logits = self._policy_forward(mb, entropy_grad=cfg.entropy_coef != 0)
                     if check_rollout and not all_stats:
-                        mismatch = logprob_mismatch(logprobs.detach(), mb.logprobs, mb.loss_mask, None)
+                        mismatch = global_logprob_mismatch(self.accelerator, logprob_mismatch(
+                            logprobs.detach(), mb.logprobs, mb.loss_mask, None))  # one decision on every rank
                         if not mismatch["rollout/logprob_mismatch_mean"] <= REUSE_TOLERANCE:
                             self.optimizer.zero_grad()
                             raise _StaleRollout
@@ -706,6 +718,9 @@ class PPOTrainer:
                                                            logits[:, :-1] / cfg.temperature, vpred, logprobs,
                                                            mb.loss_mask, mb_adv, mb_ret, entropy=entropy)
                     loss = pg_loss + vf_term - cfg.entropy_coef * mb_stats["policy/entropy"]
+                    scale = global_token_scale(self.accelerator, mb.loss_mask)
+                    if scale is not None:  # several processes: token means over the global mini-batch
+                        loss = loss * scale
                     if self.ptx is not None:  # PPO-ptx: keep what SFT taught (the LM loss on demonstrations)
                         with self.accelerator.autocast():
                             ptx_loss = sft_loss(self.policy, self.ptx.next())
@@ -721,8 +736,13 @@ class PPOTrainer:
                 del mb_stats["policy/skipped"]
                 all_stats.append(mb_stats)
                 epoch_kl.append(mb_stats["policy/policykl"].item())
-            if cfg.early_stopping and sum(epoch_kl) / len(epoch_kl) > 1.5 * cfg.target_kl:
-                break
+            if cfg.early_stopping:  # the same decision on every rank, from the global mean KL
+                mean_kl = sum(epoch_kl) / len(epoch_kl)
+                if self.is_distributed:
+                    mean_kl = self.accelerator.reduce(torch.tensor(mean_kl, device=self.accelerator.device),
+                                                      "mean").item()
+                if mean_kl > 1.5 * cfg.target_kl:
+                    break
         return all_stats, skipped, nonfinite, mismatch
 
     # --- TRL 0.11's public pieces of a step --------------------------------------------------------------
@@ -807,11 +827,15 @@ class PPOTrainer:
         are skipped, not treated as steps with value 0: see `agentrl.algos.gae`.
         """
         values, rewards = values * mask, rewards * mask
+        # Several processes: mean and variance over the global batch (every rank's tokens), not per rank.
+        moments = (lambda x: global_masked_moments(self.accelerator, x, mask)) if self.accelerator.num_processes > 1 \
+            else (lambda x: None)
         if self.config.whiten_rewards:
-            rewards = whiten(rewards, mask, shift_mean=False)
+            rewards = whiten(rewards, mask, shift_mean=False, moments=moments(rewards))
         advantages, returns = gae(rewards, values, mask, self.config.gamma, self.config.lam)
         if self.config.whiten_advantages:
-            advantages = whiten(advantages, mask)
+            advantages = whiten(advantages, mask, moments=moments(advantages))
+
         return values, advantages.detach(), returns.detach()
 
     def loss(self, old_logprobs: torch.Tensor, values: torch.Tensor, logits: torch.Tensor | None,
@@ -826,9 +850,13 @@ class PPOTrainer:
         cfg = self.config
         pg_loss, pg_stats = ppo_policy_loss(logprobs, old_logprobs, advantages, mask, cfg.cliprange)
         vf_loss, vf_stats = ppo_value_loss(vpreds, values, returns, mask, cfg.cliprange_value)
-        skip = pg_stats["ratio"].item() > cfg.ratio_threshold
+        ratio = pg_stats["ratio"]
+        if self.accelerator.num_processes > 1:  # one decision on every rank, from the global mean ratio
+            n = mask.sum()
+            ratio = sum_over_processes(self.accelerator, ratio * n) / sum_over_processes(self.accelerator, n).clamp(min=1)
+        skip = ratio.item() > cfg.ratio_threshold
         if skip:
-            warnings.warn(f"The average ratio of batch ({pg_stats['ratio'].item():.2f}) exceeds threshold "
+            warnings.warn(f"The average ratio of batch ({ratio.item():.2f}) exceeds threshold "
                           f"{cfg.ratio_threshold:.2f}. Skipping batch.", stacklevel=2)
             pg_loss, vf_loss = pg_loss * 0.0, vf_loss * 0.0
         entropy = masked_mean(entropy_from_logits(logits) if entropy is None else entropy, mask)
@@ -893,11 +921,24 @@ class PPOTrainer:
         return stats
 
     def gather_stats(self, stats: dict) -> dict:
-        """Average the tensor stats over processes (distributed training); others are kept as they are."""
+        """Stats of every process (distributed training): scalar tensors averaged over processes (TRL 0.11), array
+        tensors (per-episode or per-token) gathered, padded with zeros to one width; others kept as they are.
+
+        objective/kl, the KL controller's input, is a mean over episodes; every rank has batch_size of them, so
+        the mean over processes is the global mean.
+        """
         if self.accelerator.num_processes == 1:
             return stats
-        return {k: self.accelerator.reduce(v.to(self.accelerator.device), "mean") if isinstance(v, torch.Tensor)
-                else v for k, v in stats.items()}
+        out = {}
+        for k, v in stats.items():  # the same keys in the same order on every rank: the collectives line up
+            if isinstance(v, torch.Tensor):
+                v = v.to(self.accelerator.device)
+                if v.dim() == 0:
+                    v = self.accelerator.reduce(v.float().clone(), "mean")
+                else:
+                    v = self.accelerator.gather(self.accelerator.pad_across_processes(v.contiguous(), dim=v.dim() - 1))
+            out[k] = v
+        return out
 
     # --- checkpoints (agentrl.checkpoint) ---------------------------------------------------------------
 
@@ -926,15 +967,36 @@ class PPOTrainer:
     def save_pretrained(self, save_directory: str) -> None:
         """Write the policy (adapter under LoRA) and the value head, atomically, refusing non-finite weights."""
         from agentrl.checkpoint import save_atomically
+        from agentrl.distributed import gathered_state_dict
 
+        full = gathered_state_dict(self.accelerator, self.model)  # FSDP / ZeRO-3: every rank takes part
+        if not self.accelerator.is_main_process:  # several processes: the main one writes
+            self.accelerator.wait_for_everyone()
+            return
         model = self.accelerator.unwrap_model(self.model)
-        finite_or_raise(model)
+        if full is None:
+            finite_or_raise(model)
+        elif not all(torch.isfinite(v).all() for v in full.values() if v.is_floating_point()):
+            raise RuntimeError("refusing to save: non-finite values in the gathered weights")
+
         def write(tmp: str) -> None:
-            model.save_pretrained(tmp)
+            if full is None:
+                model.save_pretrained(tmp)
+            else:  # the gathered tensors, split into the LM's (adapter under LoRA) and the value head's
+                from safetensors.torch import save_file
+
+                from agentrl.models.value_head import VALUE_HEAD_FILE
+
+                # (the value-head model's state_dict spells the LM's keys with or without "pretrained_model.")
+                lm = {k.removeprefix("pretrained_model."): v for k, v in full.items() if not k.startswith("v_head.")}
+                head = {k: v.contiguous() for k, v in full.items() if k.startswith("v_head.")}
+                model.pretrained_model.save_pretrained(tmp, state_dict=lm if self.is_peft_model else {**lm, **head})
+                save_file(head, str(Path(tmp) / VALUE_HEAD_FILE))
             if not self.is_peft_model:  # a full model directory is only loadable with its tokenizer
                 self.tokenizer.save_pretrained(tmp)
 
         save_atomically(save_directory, write)
+        self.accelerator.wait_for_everyone()
 
 
 def _scalars(row: dict) -> dict:

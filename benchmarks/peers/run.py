@@ -1,0 +1,216 @@
+"""agentrl against its peers, side by side in one run: PPO vs TRL 0.11.4, GRPO and DPO vs TRL 1.16.0.
+
+    bash benchmarks/peers/setup.sh                       # once: the peers' venvs in .venv-peers/
+    python benchmarks/peers/run.py --json runs/peers.json [--quick] [--models embedded,26m] [--tasks ppo,grpo,dpo]
+
+Each (task, model) runs agentrl and the peer interleaved, A B A B (`--repeats` pairs), every run in its own
+process with one torch thread, on the same weights, tokenizer, LoRA, batch and lengths (common.py). The models
+(the embedded 150 K model and a seeded random Llama of 26 M parameters) and the workload are made once under
+--models-dir and loaded by both sides. Prints each task's settings side by side, then the table: median seconds
+per step over the timed steps of all repeats (the first --warmup steps of each process are not timed), peak RSS
+(the largest of the repeats), the ratio peer / agentrl (> 1: agentrl is faster) and whether both sides'
+trainable parameters moved. The load average is printed before and after: this machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import common  # noqa: E402
+
+MODELS = {"embedded": "embedded 150 K", "26m": "Llama 26 M"}
+# (untimed warm-up steps, timed steps) per process. One 26 M PPO step is ~25 CPU seconds (minutes of wall clock
+# on a busy shared machine), so it is timed from its first step: one-time set-up costs count on both sides.
+STEPS = {("ppo", "embedded"): (1, 2), ("grpo", "embedded"): (1, 3), ("dpo", "embedded"): (1, 5),
+         ("ppo", "26m"): (0, 1), ("grpo", "26m"): (1, 1), ("dpo", "26m"): (1, 3)}
+LLAMA_26M = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
+             "intermediate_size": 1408, "max_position_embeddings": 256}
+
+
+# --- models and workload (made once, read by both sides) ------------------------------------------------
+
+def prepare(models_dir: Path) -> None:
+    """The embedded model (agentrl's own builder), a seeded random 26 M Llama with its tokenizer, the workload."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from agentrl.jobs.base_model import build_base_model
+
+    embedded = models_dir / "embedded"
+    if not (embedded / "config.json").exists():
+        build_base_model(embedded, progress=False)
+    tok = AutoTokenizer.from_pretrained(embedded)
+    big = models_dir / "26m"
+    if not (big / "config.json").exists():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=len(tok), tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, attention_dropout=0.0, **LLAMA_26M))
+        model.save_pretrained(big)
+        tok.save_pretrained(big)
+    workload = models_dir / "workload.json"
+    if not workload.exists():
+        workload.write_text(json.dumps(make_workload(tok)))
+
+
+def make_workload(tok) -> dict:
+    """PPO queries of exactly 14 token ids, GRPO prompt texts, DPO pairs (prompt; chosen: the tool call, its
+    observation and the answer; rejected: a guess), about 60 tokens a pair."""
+    import random
+
+    from agentrl.envs import calculator_demonstration, calculator_tasks
+
+    tasks = calculator_tasks(2000, seed=0)
+    n = common.TASKS["ppo"]["query_tokens"]
+    queries = [ids for ids in (tok(f"Question: {t['question']}\n")["input_ids"] for t in tasks) if len(ids) == n]
+    rng, pairs, lengths = random.Random(0), [], []
+    for t in tasks[:256]:
+        chosen = calculator_demonstration(t, True, rng)
+        rejected = calculator_demonstration(t, False, rng)
+        action = chosen[1][0][chosen[1][0].index("Action:"):]  # the Thought line left out: shorter pairs
+        row = {"prompt": chosen[0][0], "chosen": action + "".join(s for s, _ in chosen[2:]),
+               "rejected": "".join(s for s, _ in rejected[1:])}
+        pairs.append(row)
+        lengths.append(sum(len(tok(row[k], add_special_tokens=k == "prompt")["input_ids"]) for k in row))
+    return {"ppo_query_ids": queries[:256], "prompts": [f"Question: {t['question']}\n" for t in tasks[:256]],
+            "pairs": pairs, "pair_tokens_mean": round(sum(lengths) / len(lengths), 1)}
+
+
+# --- running the two sides --------------------------------------------------------------------------------
+
+def worker(side: str, task: str, model_dir: Path, workload: Path, steps: int, warmup: int, python: str,
+           extra: list[str] = ()) -> dict:
+    script = HERE / ("agentrl_side.py" if side == "agentrl" else "trl_side.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1", WANDB_DISABLED="true")
+    if side != "agentrl":
+        env.pop("PYTHONPATH", None)  # the peer's venv must not see agentrl's checkout
+    cmd = [python, str(script), "--task", task, "--model", str(model_dir), "--workload", str(workload),
+           "--warmup", str(warmup), "--steps", str(steps), *extra]
+    started = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PEER-RESULT ")]
+    if proc.returncode or not lines:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
+        raise RuntimeError(f"{side} {task} on {model_dir.name} failed (exit {proc.returncode}):\n{tail}")
+    result = json.loads(lines[-1][len("PEER-RESULT "):])
+    result["wall_s"] = round(time.time() - started, 1)
+    return result
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Several processes of one side -> median s/step over their timed steps, the largest peak RSS, moved."""
+    timed = [s for r in runs for s in r["steps"][r["warmup"]:]]
+    cpu = [s for r in runs for s in r["cpu_steps"][r["warmup"]:]]
+    return {"s_per_step": statistics.median(timed), "cpu_s_per_step": statistics.median(cpu), "steps_timed": len(timed),
+            "s_per_step_all": [round(s, 4) for s in timed], "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+            "moved": all(r["moved"]["changed"] > 0 and r["moved"]["compared"] == r["moved"]["tensors"] for r in runs),
+            "max_abs_change": min(r["moved"]["max_abs_change"] for r in runs)}
+
+
+def ratio(agentrl: dict, peer: dict, key: str = "s_per_step") -> float:
+    """peer s/step over agentrl s/step: above 1, agentrl is faster."""
+    return peer[key] / agentrl[key]
+
+
+def table(rows: list[dict]) -> str:
+    """The side-by-side markdown table (what the README shows)."""
+    def moved(row):
+        return ("yes / yes" if row["agentrl"]["moved"] and row["peer"]["moved"] else
+                f"{'yes' if row['agentrl']['moved'] else 'NO'} / {'yes' if row['peer']['moved'] else 'NO'}")
+
+    lines = ["| step | model | agentrl s/step | peer | peer s/step | peer / agentrl | CPU s/step agentrl / peer "
+             "| CPU peer / agentrl | peak RSS agentrl / peer | params moved agentrl / peer |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        a, p = row["agentrl"], row["peer"]
+        lines.append(f"| {row['label']} | {row['model']} | {a['s_per_step']:.3f} | {row['peer_name']} | "
+                     f"{p['s_per_step']:.3f} | x{ratio(a, p):.2f} | {a['cpu_s_per_step']:.3f} / {p['cpu_s_per_step']:.3f} "
+                     f"| x{ratio(a, p, 'cpu_s_per_step'):.2f} | {a['peak_rss_mb']:.0f} / {p['peak_rss_mb']:.0f} MB "
+                     f"| {moved(row)} |")
+    return "\n".join(lines)
+
+
+def side_by_side(task: str, model: str, a: dict, p: dict) -> str:
+    """Both sides' effective settings, one key a line, so a difference shows."""
+    out = [f"  {'setting':34s} {'agentrl':44s} peer"]
+    for group in ("model", "settings"):
+        for key in sorted(set(a[group]) | set(p[group])):
+            out.append(f"  {key:34s} {json.dumps(a[group].get(key, '-')):44s} {json.dumps(p[group].get(key, '-'))}")
+    out.append(f"  {'library':34s} {a['library']:44s} {p['library']}")
+    out.append(f"  {'versions':34s} {json.dumps(a['versions']):44s} {json.dumps(p['versions'])}")
+    out.append(f"  {'torch threads':34s} {a['threads']!s:44s} {p['threads']}")
+    return f"{task} on {MODELS[model]}:\n" + "\n".join(out)
+
+
+LABELS = {"ppo": "PPO (64 x 14+<=32 tokens, mini-batch 16, 4 epochs)", "grpo": "GRPO (8 prompts x 8, <= 32 new tokens, beta 0)",
+          "dpo": "DPO (batch 16, ~{n} tokens a pair)"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="embedded,26m")
+    parser.add_argument("--tasks", default="ppo,grpo,dpo")
+    parser.add_argument("--repeats", type=int, default=2, help="A B pairs per (task, model)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps at the start of each process "
+                        "(default: per task and model, see STEPS)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per process (default: per task and model)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: embedded model, 1 pair, 1 timed step")
+    parser.add_argument("--models-dir", default="runs/peers-models")
+    parser.add_argument("--peers-dir", default=".venv-peers", help="where setup.sh made trl011/ and trl116/")
+    parser.add_argument("--json", default=None, help="write every run's results and the table here")
+    args = parser.parse_args()
+    if args.quick:
+        args.models, args.repeats, args.steps = ("embedded" if args.models == "embedded,26m" else args.models), 1, 1
+        args.warmup = 1 if args.warmup is None else args.warmup
+    models_dir = Path(args.models_dir).resolve()
+    prepare(models_dir)
+    work = json.loads((models_dir / "workload.json").read_text())
+    peers = Path(args.peers_dir).resolve()
+    load_before = os.getloadavg()
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)}", flush=True)
+    rows, started = [], time.time()
+    for model in args.models.split(","):
+        for task in args.tasks.split(","):
+            warmup, steps = STEPS[(task, model)]
+            warmup = warmup if args.warmup is None else args.warmup
+            steps = steps if args.steps is None else args.steps
+            peer_python = str(peers / common.PEER_VENV[task] / "bin" / "python")
+            runs = {"agentrl": [], "peer": []}
+            for _ in range(args.repeats):  # A B A B
+                for side, python in (("agentrl", sys.executable), ("peer", peer_python)):
+                    r = worker(side, task, models_dir / model, models_dir / "workload.json", steps, warmup, python)
+                    runs[side].append(r)
+                    print(f"  {task} {model} {side}: {[round(s, 3) for s in r['steps']]} s/step, "
+                          f"{r['peak_rss_mb']:.0f} MB, moved {r['moved']['max_abs_change']:.2e} "
+                          f"({r['wall_s']} s)", flush=True)
+            print(side_by_side(task, model, runs["agentrl"][0], runs["peer"][0]), flush=True)
+            rows.append({"task": task, "model": MODELS[model], "label": LABELS[task].format(n=round(work["pair_tokens_mean"])),
+                         "peer_name": common.PEER[task], "agentrl": summarise(runs["agentrl"]),
+                         "peer": summarise(runs["peer"]), "runs": runs})
+            save(args.json, rows, load_before)  # after every row, so a long run's finished rows are kept
+    text = save(args.json, rows, load_before)
+    print(f"\n{text}\n\nload average before {' '.join(f'{x:.2f}' for x in load_before)}, after "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; {time.time() - started:.0f} s; {os.cpu_count()} CPUs")
+
+
+def save(path: str | None, rows: list[dict], load_before) -> str:
+    text = table(rows)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"rows": rows, "table": text, "load_before": load_before,
+                                          "load_after": os.getloadavg(), "argv": sys.argv}, indent=1))
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The peer benchmark's bookkeeping (benchmarks/peers/run.py): medians over timed steps, the ratio, the table.
+The benchmark itself runs for minutes in other venvs and is not part of the suite."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+PEERS = Path(__file__).resolve().parents[2] / "benchmarks" / "peers"
+
+
+@pytest.fixture(scope="module")
+def run():
+    sys.path.insert(0, str(PEERS))
+    spec = importlib.util.spec_from_file_location("peers_run", PEERS / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    sys.path.remove(str(PEERS))
+
+
+def process(steps, warmup=1, rss=100.0, changed=2, tensors=2, change=1e-3):
+    return {"steps": steps, "cpu_steps": [s / 2 for s in steps], "warmup": warmup, "peak_rss_mb": rss,
+            "moved": {"tensors": tensors, "compared": tensors, "changed": changed, "max_abs_change": change}}
+
+
+def test_summary_drops_warmup_takes_median_and_largest_rss(run):
+    s = run.summarise([process([9.0, 1.0, 3.0], rss=120.0), process([8.0, 2.0, 5.0], rss=110.0)])
+    assert s["steps_timed"] == 4  # the warm-up step of each process is not timed
+    assert s["s_per_step"] == pytest.approx(2.5)  # median of 1, 2, 3, 5
+    assert s["peak_rss_mb"] == 120.0 and s["moved"] is True
+
+
+def test_a_side_whose_parameters_did_not_move_is_flagged(run):
+    assert run.summarise([process([1.0, 1.0]), process([1.0, 1.0], changed=0, change=0.0)])["moved"] is False
+
+
+def test_ratio_and_table(run):
+    agentrl = run.summarise([process([0.0, 2.0])])
+    peer = run.summarise([process([0.0, 3.0], rss=90.0, changed=0)])
+    assert run.ratio(agentrl, peer) == pytest.approx(1.5)  # peer / agentrl: above 1, agentrl is faster
+    text = run.table([{"label": "PPO", "model": "Llama 26 M", "peer_name": "TRL 0.11.4", "agentrl": agentrl,
+                       "peer": peer}])
+    row = text.splitlines()[2]
+    assert row == ("| PPO | Llama 26 M | 2.000 | TRL 0.11.4 | 3.000 | x1.50 | 1.000 / 1.500 | x1.50 | 100 / 90 MB "
+                   "| yes / NO |")
+
+
+def test_digit_reward_varies_with_text(run):
+    import common
+
+    assert common.digit_reward("a1b2") == 0.5 and common.digit_reward("") == 0.0
