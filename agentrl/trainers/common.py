@@ -337,10 +337,13 @@ def _output_head(lm, batch: TokenBatch, positions: dict) -> torch.nn.Linear | No
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     ok = isinstance(head, torch.nn.Linear) and "logits_to_keep" in inspect.signature(base.forward).parameters
     if ok:
-        with torch.no_grad():
+        # In full precision whatever the caller's autocast: a model that accelerate prepared for mixed precision
+        # autocasts inside its own forward, so a bf16 forward checked against an fp32 head(...) here would fail
+        # the check and turn these fast paths off for the whole run (measured: DPO with bf16=True before).
+        with torch.no_grad(), torch.autocast(batch.input_ids.device.type, enabled=False):
             row = {k: v[:1] for k, v in positions.items()}
-            out = lm(input_ids=batch.input_ids[:1], attention_mask=batch.attention_mask[:1],
-                     output_hidden_states=True, **row)
+            out = base(input_ids=batch.input_ids[:1], attention_mask=batch.attention_mask[:1],
+                       output_hidden_states=True, **row)
             ok = torch.allclose(head(out.hidden_states[-1]).float(), out.logits.float(), rtol=1e-4, atol=1e-4)
     _HEAD_OK[base] = head if ok else None
     return _HEAD_OK[base]

@@ -194,17 +194,20 @@ class GRPOTrainer:
         # loss_mask (B, T-1): 1 on sampled tokens; prompt, tool observations and padding are 0.
         chunks = [torch.arange(s, min(s + cfg.mini_batch_size, len(full))) for s in range(0, len(full), cfg.mini_batch_size)]
         old = ref = None
+        # Old and reference logprobs at the update's precision (mixed_precision), as PPO's: under bf16 autocast
+        # an fp32 forward here would cost twice as much and put bf16 rounding into the first ratios.
         if cfg.num_iterations > 1:  # with one pass, old = current (detached): no extra forward
-            with torch.no_grad():
+            with torch.no_grad(), self.accelerator.autocast():
                 old = torch.zeros_like(full.loss_mask)
                 for idx in chunks:
                     mb = full.select(idx)
                     old[idx, : mb.loss_mask.shape[1]] = masked_logprobs(self.model, mb, cfg.temperature)[0]
         if cfg.beta > 0:
             ref = torch.zeros_like(full.loss_mask)
-            for idx in chunks:
-                mb = full.select(idx)
-                ref[idx, : mb.loss_mask.shape[1]] = self._ref_logprobs(mb)
+            with self.accelerator.autocast():
+                for idx in chunks:
+                    mb = full.select(idx)
+                    ref[idx, : mb.loss_mask.shape[1]] = self._ref_logprobs(mb)
 
         # (N,) advantages: every sampled token of an episode gets its episode's; old only when num_iterations > 1
         self._sample_tensors = {"advantages": advantages, "ref_logprobs": ref, "trainer_logprobs": old}

@@ -73,6 +73,31 @@ def test_dpo_learns_the_preference_and_precompute_keeps_no_reference(tiny_base):
     assert history[-1]["rewards/margins"] > 0 and history[-1]["loss"] < history[0]["loss"]
 
 
+@pytest.mark.parametrize("precompute", [False, True])
+def test_under_bf16_the_reference_runs_at_the_policys_precision(tiny_base, precompute):
+    """At the first step the LoRA policy equals its reference (B = 0), so under bf16 autocast both must give the
+    same logprobs: implicit rewards exactly 0. A reference left in fp32 gives bf16 rounding (~1e-4) instead."""
+    from accelerate.state import AcceleratorState
+
+    from agentrl import DPOConfig, DPOTrainer
+    from agentrl.trainers.common import _HEAD_OK
+
+    tok = AutoTokenizer.from_pretrained(tiny_base)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_base),
+                           LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    AcceleratorState._reset_state(True)  # one process-wide accelerate state: this trainer's mixed precision
+    trainer = DPOTrainer(model=model, args=DPOConfig(per_device_train_batch_size=2, max_steps=1, bf16=True,
+                                                     precompute_ref_log_probs=precompute, progress=False),
+                         train_dataset=ROWS, tokenizer=tok)
+    row = trainer.train()[0]
+    AcceleratorState._reset_state(True)
+    assert row["rewards/chosen"] == 0.0 and row["rewards/rejected"] == 0.0
+    assert row["logps/chosen"] != 0.0
+    # The check that lets only assistant positions reach the LM head held under mixed precision too (it used to
+    # compare the prepared model's bf16 logits with an fp32 head and turn the fast paths off for the run).
+    assert _HEAD_OK[model.get_base_model()] is not None
+
+
 def test_rpo_alpha_raises_the_chosen_likelihood(tiny_base):
     """RPO's NLL term on the chosen completions: the same run ends with the chosen logprob higher than plain DPO."""
     from agentrl import DPOConfig, DPOTrainer
