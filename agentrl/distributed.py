@@ -64,6 +64,26 @@ def make_accelerator(**kwargs):
     return Accelerator(**kwargs)
 
 
+def broadcast_from_main(obj):
+    """The main process's `obj` on every process (one broadcast of a pickled object); `obj` with one process."""
+    if partial_state().num_processes == 1:
+        return obj
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([obj], from_process=0)[0]
+
+
+def gather_in_order(items: list) -> list:
+    """Every process's list, concatenated in process order, on every process; `items` with one process.
+
+    With contiguous shares (split_between_processes), that is the original order."""
+    if partial_state().num_processes == 1:
+        return items
+    from accelerate.utils import gather_object
+
+    return gather_object(items)
+
+
 def world_banner(state=None) -> str:
     """E.g. "world size 2 (MULTI_CPU)": every job prints it at start, so a silent fall-back to one process shows."""
     state = state or partial_state()

@@ -178,8 +178,9 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
         if trainer is None:
             raise RuntimeError("no preference pairs were produced in any round; nothing to train on")
         trainer.save_model(str(adapter_dir))
-        after = cached_eval(out, "after", fingerprint, lambda: run.evaluate_both(model, config.iterative.temperature))
-    if not is_main_process():  # the main process evaluates and writes the summary; the others are done
+        after = cached_eval(out, "after", fingerprint, lambda: evaluate_trained(run, trainer, model,
+                                                                                config.iterative.temperature))
+    if not is_main_process():  # every process evaluated its share; the main one writes the summary
         end_processes()
         return None
     summary = {
@@ -195,3 +196,10 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
     end_processes()
     return summary
 
+
+def evaluate_trained(run, trainer, model, temperature: float) -> dict:
+    """run.evaluate_both on the trained `model`, on every process, with whole weights under FSDP / ZeRO-3."""
+    from agentrl.distributed import gathered_for_generation
+
+    with gathered_for_generation(trainer.accelerator, trainer.model):
+        return run.evaluate_both(model, temperature)
