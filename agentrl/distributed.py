@@ -61,7 +61,38 @@ def make_accelerator(**kwargs):
 
     if _wants_cpu():
         kwargs.setdefault("cpu", True)
+        if _fsdp_on_cpu_requested():
+            return _fsdp_on_cpu(Accelerator, kwargs)
     return Accelerator(**kwargs)
+
+
+def _fsdp_on_cpu_requested() -> bool:
+    return _wants_cpu() and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def _fsdp_on_cpu(accelerator_class, kwargs: dict):
+    """An FSDP Accelerator on the CPU (gloo) group: what `accelerate launch --config_file fsdp.yaml` asks for.
+
+    torch's FSDP runs on CPU with gloo, but accelerate 1.16 only turns a MULTI_GPU (or other accelerator) state
+    into FSDP (AcceleratorState.__init__), and a CPU group is MULTI_CPU, so the job would silently run as DDP.
+    The shared state is presented as MULTI_GPU while the Accelerator is built (the device stays the CPU), so
+    accelerate takes its FSDP path; without a GPU only, and used by the 2-process FSDP tests.
+    """
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    state = partial_state()
+    if not AcceleratorState._shared_state and state.distributed_type == DistributedType.MULTI_CPU:
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+        # FSDP's compute device on CPU is "cpu"; accelerate's "cpu:0" (rank % 1) fails its device_id check.
+        PartialState._shared_state["device"] = torch.device("cpu")
+        try:
+            accelerator = accelerator_class(**kwargs)
+        finally:
+            if PartialState._shared_state.get("distributed_type") == DistributedType.MULTI_GPU:
+                PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
+        return accelerator
+    return accelerator_class(**kwargs)
 
 
 def broadcast_from_main(obj):
@@ -87,7 +118,8 @@ def gather_in_order(items: list) -> list:
 def world_banner(state=None) -> str:
     """E.g. "world size 2 (MULTI_CPU)": every job prints it at start, so a silent fall-back to one process shows."""
     state = state or partial_state()
-    return f"world size {state.num_processes} ({state.distributed_type.value})"
+    kind = "FSDP" if _fsdp_on_cpu_requested() else state.distributed_type.value  # see _fsdp_on_cpu
+    return f"world size {state.num_processes} ({kind})"
 
 
 def sum_over_processes(accelerator, x: torch.Tensor) -> torch.Tensor:
@@ -161,9 +193,43 @@ def sharded(accelerator) -> bool:
 
 
 def gathered_state_dict(accelerator, model) -> dict | None:
-    """The full state dict of a sharded model, gathered by accelerate (a collective: every rank calls it; under
-    ZeRO-3 it needs `stage3_gather_16bit_weights_on_model_save: true`); None when the model is not sharded."""
-    return accelerator.get_state_dict(model) if sharded(accelerator) else None
+    """The whole weights of a sharded model on the main process ({} on the others; a collective: every rank
+    calls it); None when the model is not sharded.
+
+    FSDP: the parameters read inside summon_full_params, named as the unwrapped model's state_dict names them
+    (FSDP's own state-dict hooks expect every parameter in model.state_dict(), which the value-head model, in
+    TRL's layout, leaves out under PEFT). DeepSpeed: accelerator.get_state_dict (under ZeRO-3 it needs
+    `stage3_gather_16bit_weights_on_model_save: true`, which the shipped zero3.yaml sets).
+    """
+    from accelerate.utils import DistributedType
+
+    if not sharded(accelerator):
+        return None
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return accelerator.get_state_dict(model)
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with FullyShardedDataParallel.summon_full_params(model, writeback=False):
+        if not accelerator.is_main_process:
+            return {}
+        return {unwrapped_name(n): p.detach().clone()
+                for n, p in accelerator.unwrap_model(model).named_parameters()}
+
+
+def load_full_parameters(accelerator, model, weights: dict) -> None:
+    """Under FSDP, whole tensors (names as gathered_state_dict gives them) copied into the sharded parameters
+    (every rank calls it; each keeps its shard)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with FullyShardedDataParallel.summon_full_params(model, writeback=True), torch.no_grad():
+        for n, p in accelerator.unwrap_model(model).named_parameters():
+            if unwrapped_name(n) in weights:
+                p.copy_(weights[unwrapped_name(n)].to(p.device, p.dtype))
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter's name without the wrappers' components FSDP and activation checkpointing insert."""
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 @contextmanager
@@ -172,8 +238,8 @@ def gathered_for_generation(accelerator, model):
 
     Ranks sample different numbers of tokens, so a sharded forward (one all-gather per layer and call) would
     leave ranks waiting on each other; the parameters are gathered once around the rollout instead (what TRL's
-    unwrap_model_for_generation does under ZeRO-3). DDP and a single process need nothing. Not exercised on
-    this project's CPU-only CI (FSDP and DeepSpeed need GPUs here).
+    unwrap_model_for_generation does under ZeRO-3). DDP and a single process need nothing. FSDP (version 1) runs in
+    CI on CPU (gloo); the ZeRO-3 path has not run here (DeepSpeed does not run on this project's CPU machine).
     """
     from accelerate.utils import DistributedType
 
@@ -186,10 +252,31 @@ def gathered_for_generation(accelerator, model):
     elif kind == DistributedType.FSDP:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        with FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=True):
+        with FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=True), \
+                _fsdp_units_bypassed(model):
             yield
     else:
         yield
+
+
+@contextmanager
+def _fsdp_units_bypassed(model):
+    """Every FSDP unit inside `model` calls its wrapped module directly, without FSDP's forward.
+
+    Inside summon_full_params the original parameters hold the whole tensors, yet an FSDP unit's forward still
+    all-gathers its shard (torch 2.13, FSDP1), so a rank that samples one more token than another would wait
+    for it forever (measured on CPU with gloo). The rollout only reads the weights, so the units are skipped.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    units = FullyShardedDataParallel.fsdp_modules(model)
+    for unit in units:
+        unit.forward = unit._fsdp_wrapped_module.forward  # an instance attribute, deleted on the way out
+    try:
+        yield
+    finally:
+        for unit in units:
+            del unit.forward
 
 
 def all_finite(accelerator, finite: bool) -> bool:

@@ -202,9 +202,10 @@ class GRPOTrainer:
                     old[idx, : mb.loss_mask.shape[1]] = masked_logprobs(self.model, mb, cfg.temperature)[0]
         if cfg.beta > 0:
             ref = torch.zeros_like(full.loss_mask)
-            for idx in chunks:
-                mb = full.select(idx)
-                ref[idx, : mb.loss_mask.shape[1]] = self._ref_logprobs(mb)
+            with gathered_for_generation(self.accelerator, self.model):  # FSDP / ZeRO-3: the unwrapped reference
+                for idx in chunks:
+                    mb = full.select(idx)
+                    ref[idx, : mb.loss_mask.shape[1]] = self._ref_logprobs(mb)
 
         # (N,) advantages: every sampled token of an episode gets its episode's; old only when num_iterations > 1
         self._sample_tensors = {"advantages": advantages, "ref_logprobs": ref, "trainer_logprobs": old}

@@ -587,6 +587,11 @@ class PPOTrainer:
 
     @torch.no_grad()
     def _old_and_ref(self, batch: TokenBatch, reuse: bool = False) -> tuple[torch.Tensor, ...]:
+        # The reference runs on the unwrapped model: under FSDP / ZeRO-3 with the parameters gathered.
+        with gathered_for_generation(self.accelerator, self.model):
+            return self._old_and_ref_gathered(batch, reuse)
+
+    def _old_and_ref_gathered(self, batch: TokenBatch, reuse: bool = False) -> tuple[torch.Tensor, ...]:
         """No-grad forwards in mini-batch chunks: (old_logprobs, values, ref_logprobs, kl), each (B, T-1).
 
         reuse: old logprobs and values are the sampler's (batch.logprobs, batch.values); only the reference runs.

@@ -49,10 +49,20 @@ def ppo_update(rows, lr: float = 0.05) -> dict[str, torch.Tensor]:
                        init_kl_coef=0.1, exp_name="dist")
     trainer = PPOTrainer(config, model, None, tok, optimizer=torch.optim.SGD(model.parameters(), lr=lr))
     stats = trainer.step([q for q, _, _ in rows], [r for _, r, _ in rows], [s for _, _, s in rows])
-    weights = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+    weights = whole_weights(trainer)
     weights["stats.objective/kl"] = torch.tensor(stats["objective/kl"])
     weights["stats.ppo/mean_scores"] = torch.tensor(stats["ppo/mean_scores"])
     return weights
+
+
+def whole_weights(trainer) -> dict[str, torch.Tensor]:
+    """The updated parameters by name: gathered under FSDP (on the main process), else this process's copy."""
+    from agentrl.distributed import gathered_state_dict
+
+    full = gathered_state_dict(trainer.accelerator, trainer.model)
+    if full is not None:
+        return full
+    return {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
 
 
 def grpo_episodes(tok):
@@ -83,7 +93,7 @@ def grpo_update(episodes, lr: float = 0.05) -> dict[str, torch.Tensor]:
                         logprob_mismatch_threshold=None)
     trainer = GRPOTrainer(config, model, tok, optimizer=torch.optim.SGD(model.parameters(), lr=lr))
     stats = trainer._update(episodes)
-    weights = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    weights = whole_weights(trainer)
     weights["stats.grpo/mean_scores"] = torch.tensor(stats["grpo/mean_scores"])
     return weights
 
@@ -92,10 +102,11 @@ def main(out: str) -> None:
     from accelerate import PartialState
     from safetensors.torch import save_file
 
-    from agentrl.distributed import partial_state
+    from agentrl.distributed import partial_state, world_banner
 
     state: PartialState = partial_state()
     assert state.num_processes == 2, f"expected 2 processes, got {state.num_processes} ({state.distributed_type})"
+    print(f"dist_worker: {world_banner()}", flush=True)
     tok = tokenizer()
     with state.split_between_processes(ppo_rows(tok)) as mine:
         ppo = ppo_update(mine)
