@@ -227,6 +227,32 @@ def load_full_parameters(accelerator, model, weights: dict) -> None:
                 p.copy_(weights[unwrapped_name(n)].to(p.device, p.dtype))
 
 
+@contextmanager
+def fsdp_free_names(model):
+    """model.named_modules() without FSDP's `_fsdp_wrapped_module` components, while PEFT saves gathered weights.
+
+    PEFT finds modules_to_save weights in the given state dict by module name and strips only a leading
+    `_fsdp_wrapped_module.` (peft/utils/save_and_load.py); with one FSDP unit per layer the names carry it
+    inside, and the saved adapter would lose the trained norm gains. Nothing changes without FSDP units.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if not FullyShardedDataParallel.fsdp_modules(model):
+        yield
+        return
+    original = model.named_modules
+
+    def named_modules(*args, **kwargs):
+        for name, module in original(*args, **kwargs):
+            yield name.replace("._fsdp_wrapped_module", "").removeprefix("_fsdp_wrapped_module."), module
+
+    model.named_modules = named_modules  # an instance attribute, deleted on the way out
+    try:
+        yield
+    finally:
+        del model.named_modules
+
+
 def unwrapped_name(name: str) -> str:
     """A parameter's name without the wrappers' components FSDP and activation checkpointing insert."""
     return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
@@ -271,7 +297,9 @@ def _fsdp_units_bypassed(model):
 
     units = FullyShardedDataParallel.fsdp_modules(model)
     for unit in units:
-        unit.forward = unit._fsdp_wrapped_module.forward  # an instance attribute, deleted on the way out
+        # An instance attribute (deleted on the way out); the wrapped module's __call__, so that its hooks still
+        # run (transformers captures hidden states with forward hooks on the decoder layers).
+        unit.forward = unit._fsdp_wrapped_module.__call__
     try:
         yield
     finally:

@@ -294,7 +294,7 @@ class GRPOTrainer:
     def save_pretrained(self, save_directory: str) -> None:
         """Write the policy (adapter under LoRA; model + tokenizer otherwise) atomically, refusing NaNs."""
         from agentrl.checkpoint import save_atomically
-        from agentrl.distributed import gathered_state_dict
+        from agentrl.distributed import fsdp_free_names, gathered_state_dict
 
         full = gathered_state_dict(self.accelerator, self.model)  # FSDP / ZeRO-3: every rank takes part
         if not self.accelerator.is_main_process:  # several processes: the main one writes
@@ -305,7 +305,8 @@ class GRPOTrainer:
             finite_or_raise(model)
 
         def write(tmp: str) -> None:
-            model.save_pretrained(tmp, **({} if full is None else {"state_dict": full}))
+            with fsdp_free_names(model):
+                model.save_pretrained(tmp, **({} if full is None else {"state_dict": full}))
             if not self.is_peft_model:
                 self.tokenizer.save_pretrained(tmp)
 
