@@ -237,8 +237,11 @@ def _distributed_state(trainer, model: dict | None) -> tuple[dict, dict, object]
         # back every state of a parameter as one reused buffer (exp_avg == exp_avg_sq; fsdp/_optim_utils.py,
         # _gather_all_orig_param_state), so on the CPU the state is gathered without it.
         offload = accelerator.device.type != "cpu"
+        # Before the first step there is no state, and torch would make one with a zero-gradient step that
+        # still counts (Adam's bias correction would then start at step 2): nothing is stored instead.
         optimizer = get_optimizer_state_dict(trainer.model, trainer.optimizer.optimizer,
-                                             options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
+                                             options=StateDictOptions(full_state_dict=True, cpu_offload=offload)
+                                             ) if trainer.optimizer.optimizer.state else None
     elif accelerator.distributed_type == DistributedType.DEEPSPEED:
         optimizer = None
     else:
@@ -262,7 +265,8 @@ def load_trainer_state(trainer, state: dict) -> None:
 
         options = StateDictOptions(full_state_dict=True, strict=False)
         load_full_parameters(accelerator, trainer.model, state["model"])
-        set_optimizer_state_dict(trainer.model, trainer.optimizer.optimizer, state["optimizer"], options=options)
+        if state["optimizer"] is not None:  # None: saved before the first step
+            set_optimizer_state_dict(trainer.model, trainer.optimizer.optimizer, state["optimizer"], options=options)
     elif kind == DistributedType.DEEPSPEED:
         raise CheckpointError("resuming under DeepSpeed is not supported: agentrl checkpoints hold gathered weights "
                               "but not DeepSpeed's optimizer partitions; resume with DDP or FSDP, or start fresh")
