@@ -1,6 +1,7 @@
 """Fixed PPO and GRPO updates, run once on one process (by test_distributed.py) and once split over two.
 
     torchrun --nproc_per_node 2 tests/integration/dist_worker.py OUT_DIR
+    accelerate launch --config_file configs/accelerate/fsdp.yaml tests/integration/dist_worker.py OUT_DIR
 
 Each rank takes its half of the same 64 (query, response, score) rows, and of the same 8 groups of 4 episodes,
 makes one update (one epoch, one mini-batch over the global batch) and rank 0 writes the updated weights to
@@ -102,17 +103,17 @@ def main(out: str) -> None:
     from accelerate import PartialState
     from safetensors.torch import save_file
 
-    from agentrl.distributed import partial_state, world_banner
+    from agentrl.distributed import partial_state
 
     state: PartialState = partial_state()
     assert state.num_processes == 2, f"expected 2 processes, got {state.num_processes} ({state.distributed_type})"
-    print(f"dist_worker: {world_banner()}", flush=True)
     tok = tokenizer()
     with state.split_between_processes(ppo_rows(tok)) as mine:
         ppo = ppo_update(mine)
     episodes = grpo_episodes(tok)  # 4 whole groups per rank
     with state.split_between_processes(episodes) as mine:
         grpo = grpo_update(mine)
+    print(f"dist_worker: trained under {state.distributed_type.value}", flush=True)  # FSDP once an Accelerator is
     if state.is_main_process:
         save_file({k: v.contiguous() for k, v in ppo.items()}, f"{out}/ppo.safetensors")
         save_file({k: v.contiguous() for k, v in grpo.items()}, f"{out}/grpo.safetensors")
