@@ -7,7 +7,7 @@ Imports only torch and accelerate, so the checkpoint module and the trainers can
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -61,13 +61,32 @@ def make_accelerator(**kwargs):
 
     if _wants_cpu():
         kwargs.setdefault("cpu", True)
-        if _fsdp_on_cpu_requested():
+        if _sharding_on_cpu() == "FSDP":
             return _fsdp_on_cpu(Accelerator, kwargs)
-    return Accelerator(**kwargs)
+        if _sharding_on_cpu() == "DEEPSPEED":
+            # accelerate takes its DeepSpeed path only when not told to use the CPU; the process group stays
+            # the CPU (gloo) one, and DeepSpeed finds no GPU and runs on the CPU.
+            kwargs["cpu"] = False
+    return _micro_batch_for_deepspeed(Accelerator(**kwargs))
 
 
-def _fsdp_on_cpu_requested() -> bool:
-    return _wants_cpu() and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+def _micro_batch_for_deepspeed(accelerator):
+    """DeepSpeed's engine wants train_micro_batch_size_per_gpu, which accelerate takes from a dataloader handed
+    to prepare(); agentrl's trainers build their own batches and hand none, so prepare() would refuse ("auto")."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None and plugin.deepspeed_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
+    return accelerator
+
+
+def _sharding_on_cpu() -> str | None:
+    """"FSDP" or "DEEPSPEED" when `accelerate launch` asked for it on a machine without a GPU, else None."""
+    if not _wants_cpu():
+        return None
+    for kind in ("FSDP", "DEEPSPEED"):
+        if os.environ.get(f"ACCELERATE_USE_{kind}", "false").lower() == "true":
+            return kind
+    return None
 
 
 def _fsdp_on_cpu(accelerator_class, kwargs: dict):
@@ -118,7 +137,7 @@ def gather_in_order(items: list) -> list:
 def world_banner(state=None) -> str:
     """E.g. "world size 2 (MULTI_CPU)": every job prints it at start, so a silent fall-back to one process shows."""
     state = state or partial_state()
-    kind = "FSDP" if _fsdp_on_cpu_requested() else state.distributed_type.value  # see _fsdp_on_cpu
+    kind = _sharding_on_cpu() or state.distributed_type.value  # see make_accelerator
     return f"world size {state.num_processes} ({kind})"
 
 
@@ -196,20 +215,24 @@ def gathered_state_dict(accelerator, model) -> dict | None:
     """The whole weights of a sharded model on the main process ({} on the others; a collective: every rank
     calls it); None when the model is not sharded.
 
-    FSDP: the parameters read inside summon_full_params, named as the unwrapped model's state_dict names them
-    (FSDP's own state-dict hooks expect every parameter in model.state_dict(), which the value-head model, in
-    TRL's layout, leaves out under PEFT). DeepSpeed: accelerator.get_state_dict (under ZeRO-3 it needs
-    `stage3_gather_16bit_weights_on_model_save: true`, which the shipped zero3.yaml sets).
+    FSDP and ZeRO-1/2: the parameters (inside summon_full_params under FSDP), named as the unwrapped model's
+    state_dict names them (the value-head model's own state_dict, TRL's layout, leaves the LM out under PEFT,
+    which FSDP's state-dict hooks and accelerator.get_state_dict rely on). ZeRO-3: accelerator.get_state_dict
+    (it needs `stage3_gather_16bit_weights_on_model_save: true`, which the shipped zero3.yaml sets).
     """
     from accelerate.utils import DistributedType
 
     if not sharded(accelerator):
         return None
-    if accelerator.distributed_type != DistributedType.FSDP:
-        return accelerator.get_state_dict(model)
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    if accelerator.distributed_type == DistributedType.FSDP:
+        from torch.distributed.fsdp import FullyShardedDataParallel
 
-    with FullyShardedDataParallel.summon_full_params(model, writeback=False):
+        gathered = FullyShardedDataParallel.summon_full_params(model, writeback=False)
+    elif accelerator.state.deepspeed_plugin.zero_stage == 3:
+        return accelerator.get_state_dict(model)
+    else:  # ZeRO-1/2 partition the optimizer state and gradients, not the weights
+        gathered = nullcontext()
+    with gathered:
         if not accelerator.is_main_process:
             return {}
         return {unwrapped_name(n): p.detach().clone()
@@ -263,17 +286,19 @@ def gathered_for_generation(accelerator, model):
     """Whole weights on every rank while it rolls out with the unwrapped model, under ZeRO-3 and FSDP.
 
     Ranks sample different numbers of tokens, so a sharded forward (one all-gather per layer and call) would
-    leave ranks waiting on each other; the parameters are gathered once around the rollout instead (what TRL's
-    unwrap_model_for_generation does under ZeRO-3). DDP and a single process need nothing. FSDP (version 1) runs in
-    CI on CPU (gloo); the ZeRO-3 path has not run here (DeepSpeed does not run on this project's CPU machine).
+    leave ranks waiting on each other; the parameters are gathered once around the rollout instead, and the
+    per-layer gathering switched off meanwhile. DDP, ZeRO-1/2 and a single process need nothing. FSDP (version
+    1) runs in CI on CPU (gloo); ZeRO-3 ran on CPU too (DeepSpeed 0.19.8; its test needs deepspeed installed).
     """
     from accelerate.utils import DistributedType
 
     kind = accelerator.distributed_type
     if kind == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3:
-        import deepspeed
+        # DeepSpeed's own: the parameters gathered and its per-module fetch hooks removed meanwhile (each would
+        # otherwise still all-gather per forward call).
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 
-        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        with unwrap_model_for_generation(model):
             yield
     elif kind == DistributedType.FSDP:
         from torch.distributed.fsdp import FullyShardedDataParallel
