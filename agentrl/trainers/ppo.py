@@ -349,9 +349,16 @@ class PPOTrainer:
         return self.accelerator.unwrap_model(self.model).pretrained_model
 
     @property
+    def _reuses_rollout(self) -> bool:
+        """reuse_rollout_logprobs in effect: not under fp16/bf16 mixed precision, where the sampler's logprobs
+        differ from the update's forward by more than REUSE_TOLERANCE anyway (measured: 0.002 mean at bf16, with
+        the sampler under the same autocast), so checking them would only cost a wasted forward."""
+        return self.config.reuse_rollout_logprobs and self.accelerator.mixed_precision == "no"
+
+    @property
     def _rollout_value_head(self):
         """The value head for the sampler to read (reuse_rollout_logprobs), else None."""
-        return self.accelerator.unwrap_model(self.model).v_head if self.config.reuse_rollout_logprobs else None
+        return self.accelerator.unwrap_model(self.model).v_head if self._reuses_rollout else None
 
     def _sampling_params(self, kwargs: dict) -> tuple[SamplingParams, int, tuple[str, ...], int]:
         unknown = set(kwargs) - _GENERATE_KWARGS
@@ -402,10 +409,12 @@ class PPOTrainer:
 
         if self._generated_at != self.current_step:  # kept only until the next update
             self._generated, self._generated_at = {}, self.current_step
-        responses = run(self.policy, self._rollout_value_head)
+        with self.accelerator.autocast():  # the sampler at the update's precision (mixed_precision)
+            responses = run(self.policy, self._rollout_value_head)
+            if generate_ref_response:
+                with self._reference():
+                    ref_responses = run(self._ref_lm or self.policy)
         if generate_ref_response:
-            with self._reference():
-                ref_responses = run(self._ref_lm or self.policy)
             # A single 1-D query gives a (1, L) tensor, as model.generate does (TRL 0.11).
             return (responses[0][None], ref_responses[0][None]) if single else (responses, ref_responses)
         return responses[0][None] if single else responses
@@ -526,7 +535,7 @@ class PPOTrainer:
                 sync_seconds, sampler = self.rollout_backend.sync_weights(self.policy), self.rollout_backend.sample
             with self.accelerator.split_between_processes(global_tasks) as batch_tasks:
                 started = time.time()
-                with gathered_for_generation(self.accelerator, self.model):
+                with gathered_for_generation(self.accelerator, self.model), self.accelerator.autocast():
                     episodes = rollout(self.policy, self.tokenizer, env_factory, batch_tasks, sampling,
                                        value_head=self._rollout_value_head, sampler=sampler)
             if score_hook is not None:  # e.g. reward models adding to the environment's scores
@@ -586,15 +595,18 @@ class PPOTrainer:
             return out[0] if out is not None else lm_logprobs(ref_lm, batch, self.config.temperature)
 
     @torch.no_grad()
-    def _old_and_ref(self, batch: TokenBatch, reuse: bool = False) -> tuple[torch.Tensor, ...]:
+    def _old_and_ref(self, batch: TokenBatch, reuse: bool = False,
+                     ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         # The reference runs on the unwrapped model: under FSDP / ZeRO-3 with the parameters gathered.
         with gathered_for_generation(self.accelerator, self.model):
-            return self._old_and_ref_gathered(batch, reuse)
+            return self._old_and_ref_gathered(batch, reuse, ref_logprobs)
 
-    def _old_and_ref_gathered(self, batch: TokenBatch, reuse: bool = False) -> tuple[torch.Tensor, ...]:
+    def _old_and_ref_gathered(self, batch: TokenBatch, reuse: bool = False,
+                              ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """No-grad forwards in mini-batch chunks: (old_logprobs, values, ref_logprobs, kl), each (B, T-1).
 
         reuse: old logprobs and values are the sampler's (batch.logprobs, batch.values); only the reference runs.
+        ref_logprobs: the reference's, already computed for this batch (a retry after _StaleRollout).
         """
         T, kind = self.config.temperature, self.config.kl_penalty
         parts: list[list[torch.Tensor]] = [[], [], [], []]
@@ -609,7 +621,8 @@ class PPOTrainer:
                     kl = kl_penalty(logp, ref_logp, kind, logits[:, :-1] / T, ref_logits[:, :-1] / T)
                 else:
                     logp, v = (chunk.logprobs, chunk.values) if reuse else self._policy_forward(chunk)[:2]
-                    ref_logp = self._ref_logprobs(chunk)
+                    ref_logp = (self._ref_logprobs(chunk) if ref_logprobs is None else
+                                ref_logprobs[start:start + len(chunk), :chunk.loss_mask.shape[1]])
                     kl = kl_penalty(logp, ref_logp, kind)
             for out, x in zip(parts, (logp, v, ref_logp, kl)):
                 out.append(torch.nn.functional.pad(x, (0, pad)))
@@ -617,7 +630,7 @@ class PPOTrainer:
 
     def _reuse_rollout(self, batch: TokenBatch) -> bool:
         """Whether this batch's old logprobs and values may be the sampler's (see PPOConfig.reuse_rollout_logprobs)."""
-        return (self.config.reuse_rollout_logprobs and batch.logprobs is not None and batch.values is not None
+        return (self._reuses_rollout and batch.logprobs is not None and batch.values is not None
                 and self.config.kl_penalty != "full")
 
     def _reference(self):
@@ -642,9 +655,11 @@ class PPOTrainer:
         # Two tries: with the sampler's logprobs and values, then, if the first mini-batch's forward at the
         # rollout's weights disagrees with them (_StaleRollout, before any optimizer step), with a forward.
         rng = torch.get_rng_state()  # a retry shuffles the mini-batches as the first try did
+        ref_logprobs = None
         for reuse in ((True, False) if reuse else (False,)):
             torch.set_rng_state(rng)
-            old_logprobs, values, ref_logprobs, kl = self._old_and_ref(batch, reuse)
+            old_logprobs, values, ref_logprobs, kl = self._old_and_ref(batch, reuse, ref_logprobs)  # a retry keeps
+            # the reference's logprobs of the first try (kl_penalty "full", which needs its logits, never retries)
             mismatch = {}
             if batch.logprobs is not None and not reuse:
                 mismatch = logprob_mismatch(old_logprobs, batch.logprobs, mask, cfg.logprob_mismatch_threshold)

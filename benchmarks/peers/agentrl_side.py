@@ -34,7 +34,7 @@ def run_ppo(args, work, tok) -> dict:
     model = lora_model(args.model)
     facts = common.model_facts(model)
     config = PPOConfig(batch_size=s["batch_size"], mini_batch_size=s["mini_batch_size"], ppo_epochs=s["ppo_epochs"],
-                       learning_rate=s["learning_rate"], seed=0)
+                       learning_rate=s["learning_rate"], seed=0, mixed_precision=args.precision)
     trainer = PPOTrainer(config=config, model=model, tokenizer=tok)
     before = common.trainable_snapshot(model)
     gen = {"max_new_tokens": s["response_tokens"], "do_sample": True,
@@ -83,7 +83,8 @@ def run_grpo(args, work, tok) -> dict:
     facts = common.model_facts(model)
     config = GRPOConfig(tasks_per_step=s["prompts"], num_generations=s["num_generations"],
                         mini_batch_size=s["mini_batch_size"], num_iterations=s["num_iterations"], beta=s["beta"],
-                        learning_rate=s["learning_rate"], max_grad_norm=s["max_grad_norm"], seed=0)
+                        learning_rate=s["learning_rate"], max_grad_norm=s["max_grad_norm"], seed=0,
+                        mixed_precision=args.precision)
     trainer = GRPOTrainer(config, model, tok)
     sampling = SamplingParams(max_new_tokens=s["completion_tokens"])
     before = common.trainable_snapshot(model)
@@ -110,7 +111,7 @@ def run_dpo(args, work, tok) -> dict:
     with tempfile.TemporaryDirectory() as out:
         config = DPOConfig(output_dir=out, per_device_train_batch_size=s["batch_size"], learning_rate=s["learning_rate"],
                            beta=s["beta"], max_grad_norm=s["max_grad_norm"], max_steps=args.warmup + args.steps,
-                           logging_steps=1, progress=False)
+                           logging_steps=1, progress=False, bf16=args.precision == "bf16")
         trainer = DPOTrainer(model=model, args=config, train_dataset=work["pairs"], tokenizer=tok)
         before = common.trainable_snapshot(model)
         clock = common.StepClock()
@@ -137,6 +138,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--count-flops", action="store_true", help="ppo: count one extra step's FLOPs")
+    parser.add_argument("--precision", choices=("no", "bf16"), default="no", help="bf16: autocast (mixed precision)")
     args = parser.parse_args()
     common.one_thread()
     import agentrl

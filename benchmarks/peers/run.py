@@ -168,6 +168,8 @@ def main() -> None:
     parser.add_argument("--models-dir", default="runs/peers-models")
     parser.add_argument("--peers-dir", default=".venv-peers", help="where setup.sh made trl011/ and trl116/")
     parser.add_argument("--json", default=None, help="write every run's results and the table here")
+    parser.add_argument("--precision", choices=("no", "bf16"), default="no",
+                        help="both sides: fp32 (no), or bf16 autocast (PPO: accelerate's mixed precision on both)")
     args = parser.parse_args()
     if args.quick:
         args.models, args.repeats, args.steps = ("embedded" if args.models == "embedded,26m" else args.models), 1, 1
@@ -188,13 +190,15 @@ def main() -> None:
             runs = {"agentrl": [], "peer": []}
             for _ in range(args.repeats):  # A B A B
                 for side, python in (("agentrl", sys.executable), ("peer", peer_python)):
-                    r = worker(side, task, models_dir / model, models_dir / "workload.json", steps, warmup, python)
+                    r = worker(side, task, models_dir / model, models_dir / "workload.json", steps, warmup, python,
+                               ["--precision", args.precision])
                     runs[side].append(r)
                     print(f"  {task} {model} {side}: {[round(s, 3) for s in r['steps']]} s/step, "
                           f"{r['peak_rss_mb']:.0f} MB, moved {r['moved']['max_abs_change']:.2e} "
                           f"({r['wall_s']} s)", flush=True)
             print(side_by_side(task, model, runs["agentrl"][0], runs["peer"][0]), flush=True)
-            rows.append({"task": task, "model": MODELS[model], "label": LABELS[task].format(n=round(work["pair_tokens_mean"])),
+            rows.append({"task": task, "model": MODELS[model], "label": LABELS[task].format(n=round(work["pair_tokens_mean"]))
+                         + (", bf16 autocast both" if args.precision == "bf16" else ""),
                          "peer_name": common.PEER[task], "agentrl": summarise(runs["agentrl"]),
                          "peer": summarise(runs["peer"]), "runs": runs})
             save(args.json, rows, load_before)  # after every row, so a long run's finished rows are kept

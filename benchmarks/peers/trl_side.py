@@ -33,7 +33,8 @@ def run_ppo(args, work, tok) -> dict:
                                                               torch_dtype=torch.float32)
     facts = common.model_facts(model.pretrained_model)
     config = PPOConfig(batch_size=s["batch_size"], mini_batch_size=s["mini_batch_size"], ppo_epochs=s["ppo_epochs"],
-                       learning_rate=s["learning_rate"], seed=0)
+                       learning_rate=s["learning_rate"], seed=0,
+                       accelerator_kwargs={"mixed_precision": args.precision, "cpu": True})
     trainer = PPOTrainer(config=config, model=model, ref_model=None, tokenizer=tok)
     before = common.trainable_snapshot(model)
     gen = {"max_new_tokens": s["response_tokens"], "do_sample": True,
@@ -73,11 +74,11 @@ def timing_callback(clock):
 
 
 def common_args(args, out: str) -> dict:
-    """TrainingArguments both TRL trainers get: fp32 (bf16 off, as agentrl's side), no checkpoints, no trackers,
-    no gradient checkpointing (agentrl's side has none)."""
+    """TrainingArguments both TRL trainers get: fp32 unless --precision bf16 (as agentrl's side; bf16 on a CPU
+    needs use_cpu), no checkpoints, no trackers, no gradient checkpointing (agentrl's side has none)."""
     return {"output_dir": out, "max_steps": args.warmup + args.steps, "logging_steps": 1, "report_to": "none",
-            "save_strategy": "no", "bf16": False, "fp16": False, "gradient_checkpointing": False,
-            "dataloader_num_workers": 0, "seed": 0}
+            "save_strategy": "no", "bf16": args.precision == "bf16", "fp16": False, "use_cpu": True,
+            "gradient_checkpointing": False, "dataloader_num_workers": 0, "seed": 0}
 
 
 def run_grpo(args, work, tok) -> dict:
@@ -148,6 +149,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--count-flops", action="store_true", help="ppo: count one extra step's FLOPs")
+    parser.add_argument("--precision", choices=("no", "bf16"), default="no", help="bf16: autocast (mixed precision)")
     args = parser.parse_args()
     common.one_thread()
     import torch

@@ -86,6 +86,9 @@ def test_a_ppo_step_with_gradient_checkpointing_and_bf16_mixed_precision(tiny_ba
     stats = trainer.step(q, trainer.generate(q, return_prompt=False, max_new_tokens=6), [1.0, -1.0])
     assert math.isfinite(stats["ppo/loss/total"])
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters() if n in before)
+    # Under mixed precision the old logprobs come from a forward: the sampler's would fail the reuse check
+    # (REUSE_TOLERANCE), after a wasted forward.
+    assert not trainer._reuses_rollout and trainer._rollout_value_head is None
 
 
 def test_a_ppo_step_on_bfloat16_weights(tiny_base):
