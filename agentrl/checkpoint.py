@@ -32,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from agentrl.distributed import is_main_process, wait_for_everyone
+from agentrl.distributed import broadcast_from_main, is_main_process, wait_for_everyone
 
 
 def save_atomically(out_dir: str | Path, write: Callable[[str], object]) -> None:
@@ -484,23 +484,32 @@ def cached_eval(out_dir: str | Path, name: str, config: dict, compute: Callable[
     """An evaluation stored in out_dir/checkpoints/eval-<name>.json for this config, or computed and stored,
     so a resumed run does not redo it.
 
-    Several processes: the main process evaluates (the whole held-out set, so the figures do not depend on the
-    number of processes) and the others get None without waiting.
+    Several processes: the main process decides whether the stored one holds (and tells the others, so all
+    recompute or none does); `compute` runs on every process (each evaluates its share of the tasks, see
+    jobs/evaluate.py); the main process stores the result, and every process returns the main one's.
     """
-    if not is_main_process():
-        return None
     path = Path(out_dir) / "checkpoints" / f"eval-{name}.json"
-    if path.exists():
-        try:
-            stored = json.loads(path.read_text())
-            if stored.get("config") == json.loads(json.dumps(config)):
-                return stored["result"]
-        except ValueError:
-            pass  # a torn write: compute it again
+    stored = broadcast_from_main(_stored_eval(path, config) if is_main_process() else None)
+    if stored is not None:
+        return stored
     result = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"config": config, "result": result}))
-    fsync_path(tmp)
-    os.replace(tmp, path)
-    return result
+    if is_main_process():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"config": config, "result": result}))
+        fsync_path(tmp)
+        os.replace(tmp, path)
+    return broadcast_from_main(result)
+
+
+def _stored_eval(path: Path, config: dict) -> dict | None:
+    """The result stored at `path` for this config; None if there is none (or a torn write)."""
+    if not path.exists():
+        return None
+    try:
+        stored = json.loads(path.read_text())
+        if stored.get("config") == json.loads(json.dumps(config)):
+            return stored["result"]
+    except ValueError:
+        pass  # a torn write: compute it again
+    return None

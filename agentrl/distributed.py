@@ -7,7 +7,7 @@ Imports only torch and accelerate, so the checkpoint module and the trainers can
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -61,13 +61,84 @@ def make_accelerator(**kwargs):
 
     if _wants_cpu():
         kwargs.setdefault("cpu", True)
-    return Accelerator(**kwargs)
+        if _sharding_on_cpu() == "FSDP":
+            return _fsdp_on_cpu(Accelerator, kwargs)
+        if _sharding_on_cpu() == "DEEPSPEED":
+            # accelerate takes its DeepSpeed path only when not told to use the CPU; the process group stays
+            # the CPU (gloo) one, and DeepSpeed finds no GPU and runs on the CPU.
+            kwargs["cpu"] = False
+    return _micro_batch_for_deepspeed(Accelerator(**kwargs))
+
+
+def _micro_batch_for_deepspeed(accelerator):
+    """DeepSpeed's engine wants train_micro_batch_size_per_gpu, which accelerate takes from a dataloader handed
+    to prepare(); agentrl's trainers build their own batches and hand none, so prepare() would refuse ("auto")."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None and plugin.deepspeed_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
+    return accelerator
+
+
+def _sharding_on_cpu() -> str | None:
+    """"FSDP" or "DEEPSPEED" when `accelerate launch` asked for it on a machine without a GPU, else None."""
+    if not _wants_cpu():
+        return None
+    for kind in ("FSDP", "DEEPSPEED"):
+        if os.environ.get(f"ACCELERATE_USE_{kind}", "false").lower() == "true":
+            return kind
+    return None
+
+
+def _fsdp_on_cpu(accelerator_class, kwargs: dict):
+    """An FSDP Accelerator on the CPU (gloo) group: what `accelerate launch --config_file fsdp.yaml` asks for.
+
+    torch's FSDP runs on CPU with gloo, but accelerate 1.16 only turns a MULTI_GPU (or other accelerator) state
+    into FSDP (AcceleratorState.__init__), and a CPU group is MULTI_CPU, so the job would silently run as DDP.
+    The shared state is presented as MULTI_GPU while the Accelerator is built (the device stays the CPU), so
+    accelerate takes its FSDP path; without a GPU only, and used by the 2-process FSDP tests.
+    """
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    state = partial_state()
+    if not AcceleratorState._shared_state and state.distributed_type == DistributedType.MULTI_CPU:
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+        # FSDP's compute device on CPU is "cpu"; accelerate's "cpu:0" (rank % 1) fails its device_id check.
+        PartialState._shared_state["device"] = torch.device("cpu")
+        try:
+            accelerator = accelerator_class(**kwargs)
+        finally:
+            if PartialState._shared_state.get("distributed_type") == DistributedType.MULTI_GPU:
+                PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
+        return accelerator
+    return accelerator_class(**kwargs)
+
+
+def broadcast_from_main(obj):
+    """The main process's `obj` on every process (one broadcast of a pickled object); `obj` with one process."""
+    if partial_state().num_processes == 1:
+        return obj
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([obj], from_process=0)[0]
+
+
+def gather_in_order(items: list) -> list:
+    """Every process's list, concatenated in process order, on every process; `items` with one process.
+
+    With contiguous shares (split_between_processes), that is the original order."""
+    if partial_state().num_processes == 1:
+        return items
+    from accelerate.utils import gather_object
+
+    return gather_object(items)
 
 
 def world_banner(state=None) -> str:
     """E.g. "world size 2 (MULTI_CPU)": every job prints it at start, so a silent fall-back to one process shows."""
     state = state or partial_state()
-    return f"world size {state.num_processes} ({state.distributed_type.value})"
+    kind = _sharding_on_cpu() or state.distributed_type.value  # see make_accelerator
+    return f"world size {state.num_processes} ({kind})"
 
 
 def sum_over_processes(accelerator, x: torch.Tensor) -> torch.Tensor:
@@ -141,9 +212,73 @@ def sharded(accelerator) -> bool:
 
 
 def gathered_state_dict(accelerator, model) -> dict | None:
-    """The full state dict of a sharded model, gathered by accelerate (a collective: every rank calls it; under
-    ZeRO-3 it needs `stage3_gather_16bit_weights_on_model_save: true`); None when the model is not sharded."""
-    return accelerator.get_state_dict(model) if sharded(accelerator) else None
+    """The whole weights of a sharded model on the main process ({} on the others; a collective: every rank
+    calls it); None when the model is not sharded.
+
+    FSDP and ZeRO-1/2: the parameters (inside summon_full_params under FSDP), named as the unwrapped model's
+    state_dict names them (the value-head model's own state_dict, TRL's layout, leaves the LM out under PEFT,
+    which FSDP's state-dict hooks and accelerator.get_state_dict rely on). ZeRO-3: accelerator.get_state_dict
+    (it needs `stage3_gather_16bit_weights_on_model_save: true`, which the shipped zero3.yaml sets).
+    """
+    from accelerate.utils import DistributedType
+
+    if not sharded(accelerator):
+        return None
+    if accelerator.distributed_type == DistributedType.FSDP:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        gathered = FullyShardedDataParallel.summon_full_params(model, writeback=False)
+    elif accelerator.state.deepspeed_plugin.zero_stage == 3:
+        return accelerator.get_state_dict(model)
+    else:  # ZeRO-1/2 partition the optimizer state and gradients, not the weights
+        gathered = nullcontext()
+    with gathered:
+        if not accelerator.is_main_process:
+            return {}
+        return {unwrapped_name(n): p.detach().clone()
+                for n, p in accelerator.unwrap_model(model).named_parameters()}
+
+
+def load_full_parameters(accelerator, model, weights: dict) -> None:
+    """Under FSDP, whole tensors (names as gathered_state_dict gives them) copied into the sharded parameters
+    (every rank calls it; each keeps its shard)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with FullyShardedDataParallel.summon_full_params(model, writeback=True), torch.no_grad():
+        for n, p in accelerator.unwrap_model(model).named_parameters():
+            if unwrapped_name(n) in weights:
+                p.copy_(weights[unwrapped_name(n)].to(p.device, p.dtype))
+
+
+@contextmanager
+def fsdp_free_names(model):
+    """model.named_modules() without FSDP's `_fsdp_wrapped_module` components, while PEFT saves gathered weights.
+
+    PEFT finds modules_to_save weights in the given state dict by module name and strips only a leading
+    `_fsdp_wrapped_module.` (peft/utils/save_and_load.py); with one FSDP unit per layer the names carry it
+    inside, and the saved adapter would lose the trained norm gains. Nothing changes without FSDP units.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if not FullyShardedDataParallel.fsdp_modules(model):
+        yield
+        return
+    original = model.named_modules
+
+    def named_modules(*args, **kwargs):
+        for name, module in original(*args, **kwargs):
+            yield name.replace("._fsdp_wrapped_module", "").removeprefix("_fsdp_wrapped_module."), module
+
+    model.named_modules = named_modules  # an instance attribute, deleted on the way out
+    try:
+        yield
+    finally:
+        del model.named_modules
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter's name without the wrappers' components FSDP and activation checkpointing insert."""
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 @contextmanager
@@ -151,25 +286,50 @@ def gathered_for_generation(accelerator, model):
     """Whole weights on every rank while it rolls out with the unwrapped model, under ZeRO-3 and FSDP.
 
     Ranks sample different numbers of tokens, so a sharded forward (one all-gather per layer and call) would
-    leave ranks waiting on each other; the parameters are gathered once around the rollout instead (what TRL's
-    unwrap_model_for_generation does under ZeRO-3). DDP and a single process need nothing. Not exercised on
-    this project's CPU-only CI (FSDP and DeepSpeed need GPUs here).
+    leave ranks waiting on each other; the parameters are gathered once around the rollout instead, and the
+    per-layer gathering switched off meanwhile. DDP, ZeRO-1/2 and a single process need nothing. FSDP (version
+    1) runs in CI on CPU (gloo); ZeRO-3 ran on CPU too (DeepSpeed 0.19.8; its test needs deepspeed installed).
     """
     from accelerate.utils import DistributedType
 
     kind = accelerator.distributed_type
     if kind == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3:
-        import deepspeed
+        # DeepSpeed's own: the parameters gathered and its per-module fetch hooks removed meanwhile (each would
+        # otherwise still all-gather per forward call).
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 
-        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        with unwrap_model_for_generation(model):
             yield
     elif kind == DistributedType.FSDP:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        with FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=True):
+        with FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=True), \
+                _fsdp_units_bypassed(model):
             yield
     else:
         yield
+
+
+@contextmanager
+def _fsdp_units_bypassed(model):
+    """Every FSDP unit inside `model` calls its wrapped module directly, without FSDP's forward.
+
+    Inside summon_full_params the original parameters hold the whole tensors, yet an FSDP unit's forward still
+    all-gathers its shard (torch 2.13, FSDP1), so a rank that samples one more token than another would wait
+    for it forever (measured on CPU with gloo). The rollout only reads the weights, so the units are skipped.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    units = FullyShardedDataParallel.fsdp_modules(model)
+    for unit in units:
+        # An instance attribute (deleted on the way out); the wrapped module's __call__, so that its hooks still
+        # run (transformers captures hidden states with forward hooks on the decoder layers).
+        unit.forward = unit._fsdp_wrapped_module.__call__
+    try:
+        yield
+    finally:
+        for unit in units:
+            del unit.forward
 
 
 def all_finite(accelerator, finite: bool) -> bool:

@@ -54,11 +54,13 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
     reference logprobs, so a resumed round trains on exactly the pairs it sampled."""
     import dataclasses
     import warnings
+    from contextlib import nullcontext
 
     import torch
 
     from agentrl.checkpoint import Checkpointer, cached_eval, file_size, open_run, run_config, write_json, write_jsonl
-    from agentrl.distributed import end_processes, finish_trackers, is_main_process, partial_state, world_banner
+    from agentrl.distributed import (end_processes, finish_trackers, gathered_for_generation, is_main_process,
+                                     partial_state, sharded, world_banner)
     from agentrl.jobs.preferences import sample_pairs
     from agentrl.preferences import PreferenceExample, pair_to_example
     from agentrl.rollout.sampling import SamplingParams
@@ -135,7 +137,9 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
                 else:
                     model.eval()
                     # Several processes: each samples its share of the round's tasks; all get every pair.
-                    with procs.split_between_processes(cycler.draw(config.iterative.tasks_per_round)) as mine:
+                    # After a round under FSDP / ZeRO-3, with the parameters gathered.
+                    with procs.split_between_processes(cycler.draw(config.iterative.tasks_per_round)) as mine, \
+                            gathered_for_generation(trainer.accelerator, trainer.model) if trainer else nullcontext():
                         pairs, ties, rows = sample_pairs(model, tokenizer, env_factory, mine,
                                                          config.iterative.samples, sampling)
                     if procs.num_processes > 1:
@@ -155,7 +159,9 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
                     # Reference logprobs precomputed by the policy as it is now ("previous") or by the base.
                     round_cfg = replace(dpo_cfg, precompute_ref_log_probs=True,
                                         reference_with_adapter=config.iterative.reference == "previous")
-                    trainer = DPOTrainer(model=model, args=round_cfg, tokenizer=tokenizer, train_dataset=examples)
+                    # Under FSDP, the model as the last round wrapped it (its layers cannot be wrapped twice).
+                    wrapped = trainer.model if trainer is not None and sharded(trainer.accelerator) else model
+                    trainer = DPOTrainer(model=wrapped, args=round_cfg, tokenizer=tokenizer, train_dataset=examples)
                     job.update(round=r, record=record)
                     live["examples"] = trainer.examples
                     checkpointer.step_offset = job["steps"]
@@ -178,8 +184,9 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
         if trainer is None:
             raise RuntimeError("no preference pairs were produced in any round; nothing to train on")
         trainer.save_model(str(adapter_dir))
-        after = cached_eval(out, "after", fingerprint, lambda: run.evaluate_both(model, config.iterative.temperature))
-    if not is_main_process():  # the main process evaluates and writes the summary; the others are done
+        after = cached_eval(out, "after", fingerprint, lambda: evaluate_trained(run, trainer, model,
+                                                                                config.iterative.temperature))
+    if not is_main_process():  # every process evaluated its share; the main one writes the summary
         end_processes()
         return None
     summary = {
@@ -195,3 +202,10 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
     end_processes()
     return summary
 
+
+def evaluate_trained(run, trainer, model, temperature: float) -> dict:
+    """run.evaluate_both on the trained `model`, on every process, with whole weights under FSDP / ZeRO-3."""
+    from agentrl.distributed import gathered_for_generation
+
+    with gathered_for_generation(trainer.accelerator, trainer.model):
+        return run.evaluate_both(model, temperature)

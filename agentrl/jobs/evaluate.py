@@ -19,11 +19,20 @@ SUMMARY_KEYS = ("accuracy", "tool_call_rate", "mean_score", "format_error_rate",
 @torch.no_grad()
 def evaluate(model, tokenizer, env_factory: Callable, tasks: list[dict], greedy: bool = True,
              temperature: float = 1.0, max_new_tokens: int = 48, seed: int = 0) -> dict[str, float]:
-    """Metrics of one episode per task: greedy decoding by default, else sampling at `temperature`."""
+    """Metrics of one episode per task: greedy decoding by default, else sampling at `temperature`.
+
+    Several processes: each rolls out its contiguous share of the tasks (sampling with seed `seed + rank`), and
+    the metrics are computed over every process's episodes, in task order, on every process. Every process
+    must call it (under FSDP / ZeRO-3 inside gathered_for_generation). One process: all tasks, seed `seed`.
+    """
+    from agentrl.distributed import gather_in_order, partial_state
+
     model.eval()
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=not greedy)
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    episodes = rollout(model, tokenizer, env_factory, tasks, params, generator=generator)
+    state = partial_state()
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed + state.process_index)
+    with state.split_between_processes(tasks) as mine:
+        episodes = gather_in_order(rollout(model, tokenizer, env_factory, mine, params, generator=generator))
     metrics = {k.removeprefix("env/"): v for k, v in episode_metrics(episodes).items()}
     metrics = {k: round(metrics[k], 4) for k in SUMMARY_KEYS}
     metrics["decoding"] = "greedy" if greedy else f"sampled(T={temperature})"
@@ -55,6 +64,7 @@ def run_eval(model: str, adapter: str | None, env: str, env_kwargs: str | None, 
              seed: int, sample: bool, temperature: float, max_new_tokens: int, out: str | None) -> dict:
     """`agentrl eval`: metrics of a saved model (and adapter) on `tasks` held-out tasks, written to `out` if set."""
     from agentrl.checkpoint import write_json
+    from agentrl.distributed import is_main_process
     from agentrl.envs.base import load_tasks, make_env
 
     policy, tokenizer = load_policy(model, adapter)
@@ -62,6 +72,6 @@ def run_eval(model: str, adapter: str | None, env: str, env_kwargs: str | None, 
     task_list = load_tasks(task_source, tasks, seed, "eval")
     metrics = evaluate(policy, tokenizer, lambda: make_env(env, kwargs), task_list, greedy=not sample,
                        temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
-    if out:
+    if out and is_main_process():
         write_json(out, metrics)
     return metrics

@@ -133,8 +133,8 @@ def run_job(config: JobConfig) -> dict:
         finish_trackers(trainer.accelerator)
         adapter_dir = out / ("adapter" if config.model.lora else "model")
         trainer.save_pretrained(str(adapter_dir))
-        after = cached_eval(out, "after", fingerprint, lambda: run.evaluate_both(trainer.policy, algo_config.temperature))
-    if not is_main_process():  # the main process evaluates and writes the summary; the others are done
+        after = cached_eval(out, "after", fingerprint, lambda: evaluate_trained(run, trainer, algo_config.temperature))
+    if not is_main_process():  # every process evaluated its share; the main one writes the summary
         end_processes()
         return None
     summary = {
@@ -152,6 +152,14 @@ def run_job(config: JobConfig) -> dict:
     write_json(out / "summary.json", summary)
     end_processes()
     return summary
+
+
+def evaluate_trained(run, trainer, temperature: float) -> dict:
+    """run.evaluate_both on the trained policy, on every process, with whole weights under FSDP / ZeRO-3."""
+    from agentrl.distributed import gathered_for_generation
+
+    with gathered_for_generation(trainer.accelerator, trainer.model):
+        return run.evaluate_both(trainer.policy, temperature)
 
 
 def vllm_rollout(config: JobConfig, base_dir: str, seed: int):

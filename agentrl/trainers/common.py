@@ -202,8 +202,9 @@ def trainer_state(trainer, **extra) -> dict:
 def _trainable_names(accelerator, model) -> list[str]:
     """Names of the trainable parameters as the unwrapped model's state_dict spells them (FSDP's wrapper
     prefixes removed)."""
-    names = [n for n, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad]
-    return [n.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "") for n in names]
+    from agentrl.distributed import unwrapped_name
+
+    return [unwrapped_name(n) for n, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad]
 
 
 def _distributed_state(trainer, model: dict | None) -> tuple[dict, dict, object]:
@@ -219,10 +220,11 @@ def _distributed_state(trainer, model: dict | None) -> tuple[dict, dict, object]
     from accelerate.utils import DistributedType, gather_object
 
     from agentrl.checkpoint import rng_state
+    from agentrl.distributed import gathered_state_dict
 
     accelerator = trainer.accelerator
     if model is None:
-        full = accelerator.get_state_dict(trainer.model) or {}
+        full = gathered_state_dict(accelerator, trainer.model) or {}
         model = {}
         for n in _trainable_names(accelerator, trainer.model):
             key = n if n in full else n.removeprefix("pretrained_model.")
@@ -231,8 +233,15 @@ def _distributed_state(trainer, model: dict | None) -> tuple[dict, dict, object]
     if accelerator.distributed_type == DistributedType.FSDP:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+        # cpu_offload copies the gathered state to the CPU with .cpu(), a no-op on the CPU: torch 2.13 then hands
+        # back every state of a parameter as one reused buffer (exp_avg == exp_avg_sq; fsdp/_optim_utils.py,
+        # _gather_all_orig_param_state), so on the CPU the state is gathered without it.
+        offload = accelerator.device.type != "cpu"
+        # Before the first step there is no state, and torch would make one with a zero-gradient step that
+        # still counts (Adam's bias correction would then start at step 2): nothing is stored instead.
         optimizer = get_optimizer_state_dict(trainer.model, trainer.optimizer.optimizer,
-                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                                             options=StateDictOptions(full_state_dict=True, cpu_offload=offload)
+                                             ) if trainer.optimizer.optimizer.state else None
     elif accelerator.distributed_type == DistributedType.DEEPSPEED:
         optimizer = None
     else:
@@ -250,12 +259,14 @@ def load_trainer_state(trainer, state: dict) -> None:
     accelerator = trainer.accelerator
     kind = accelerator.distributed_type
     if kind == DistributedType.FSDP:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        from agentrl.distributed import load_full_parameters
 
         options = StateDictOptions(full_state_dict=True, strict=False)
-        set_model_state_dict(trainer.model, state["model"], options=options)
-        set_optimizer_state_dict(trainer.model, trainer.optimizer.optimizer, state["optimizer"], options=options)
+        load_full_parameters(accelerator, trainer.model, state["model"])
+        if state["optimizer"] is not None:  # None: saved before the first step
+            set_optimizer_state_dict(trainer.model, trainer.optimizer.optimizer, state["optimizer"], options=options)
     elif kind == DistributedType.DEEPSPEED:
         raise CheckpointError("resuming under DeepSpeed is not supported: agentrl checkpoints hold gathered weights "
                               "but not DeepSpeed's optimizer partitions; resume with DDP or FSDP, or start fresh")

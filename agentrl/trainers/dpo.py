@@ -352,7 +352,7 @@ class DPOTrainer:
     def save_model(self, output_dir: str | None = None) -> None:
         """Adapter (under LoRA) or model + tokenizer, written atomically; refuses non-finite weights."""
         from agentrl.checkpoint import save_atomically
-        from agentrl.distributed import gathered_state_dict
+        from agentrl.distributed import fsdp_free_names, gathered_state_dict
 
         full = gathered_state_dict(self.accelerator, self.model)  # FSDP / ZeRO-3: every rank takes part
         if not self.accelerator.is_main_process:  # several processes: the main one writes
@@ -363,7 +363,8 @@ class DPOTrainer:
             finite_or_raise(model)
 
         def write(tmp: str) -> None:
-            model.save_pretrained(tmp, **({} if full is None else {"state_dict": full}))
+            with fsdp_free_names(model):
+                model.save_pretrained(tmp, **({} if full is None else {"state_dict": full}))
             self.tokenizer.save_pretrained(tmp)
 
         save_atomically(output_dir or self.config.output_dir, write)

@@ -204,7 +204,8 @@ class GRPOTrainer:
                     old[idx, : mb.loss_mask.shape[1]] = masked_logprobs(self.model, mb, cfg.temperature)[0]
         if cfg.beta > 0:
             ref = torch.zeros_like(full.loss_mask)
-            with self.accelerator.autocast():
+            # FSDP / ZeRO-3: the unwrapped reference, with whole weights
+            with gathered_for_generation(self.accelerator, self.model), self.accelerator.autocast():
                 for idx in chunks:
                     mb = full.select(idx)
                     ref[idx, : mb.loss_mask.shape[1]] = self._ref_logprobs(mb)
@@ -296,7 +297,7 @@ class GRPOTrainer:
     def save_pretrained(self, save_directory: str) -> None:
         """Write the policy (adapter under LoRA; model + tokenizer otherwise) atomically, refusing NaNs."""
         from agentrl.checkpoint import save_atomically
-        from agentrl.distributed import gathered_state_dict
+        from agentrl.distributed import fsdp_free_names, gathered_state_dict
 
         full = gathered_state_dict(self.accelerator, self.model)  # FSDP / ZeRO-3: every rank takes part
         if not self.accelerator.is_main_process:  # several processes: the main one writes
@@ -307,7 +308,8 @@ class GRPOTrainer:
             finite_or_raise(model)
 
         def write(tmp: str) -> None:
-            model.save_pretrained(tmp, **({} if full is None else {"state_dict": full}))
+            with fsdp_free_names(model):
+                model.save_pretrained(tmp, **({} if full is None else {"state_dict": full}))
             if not self.is_peft_model:
                 self.tokenizer.save_pretrained(tmp)
 

@@ -597,6 +597,12 @@ class PPOTrainer:
     @torch.no_grad()
     def _old_and_ref(self, batch: TokenBatch, reuse: bool = False,
                      ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        # The reference runs on the unwrapped model: under FSDP / ZeRO-3 with the parameters gathered.
+        with gathered_for_generation(self.accelerator, self.model):
+            return self._old_and_ref_gathered(batch, reuse, ref_logprobs)
+
+    def _old_and_ref_gathered(self, batch: TokenBatch, reuse: bool = False,
+                              ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """No-grad forwards in mini-batch chunks: (old_logprobs, values, ref_logprobs, kl), each (B, T-1).
 
         reuse: old logprobs and values are the sampler's (batch.logprobs, batch.values); only the reference runs.
@@ -1001,7 +1007,7 @@ class PPOTrainer:
     def save_pretrained(self, save_directory: str) -> None:
         """Write the policy (adapter under LoRA) and the value head, atomically, refusing non-finite weights."""
         from agentrl.checkpoint import save_atomically
-        from agentrl.distributed import gathered_state_dict
+        from agentrl.distributed import fsdp_free_names, gathered_state_dict
 
         full = gathered_state_dict(self.accelerator, self.model)  # FSDP / ZeRO-3: every rank takes part
         if not self.accelerator.is_main_process:  # several processes: the main one writes
@@ -1024,7 +1030,8 @@ class PPOTrainer:
                 # (the value-head model's state_dict spells the LM's keys with or without "pretrained_model.")
                 lm = {k.removeprefix("pretrained_model."): v for k, v in full.items() if not k.startswith("v_head.")}
                 head = {k: v.contiguous() for k, v in full.items() if k.startswith("v_head.")}
-                model.pretrained_model.save_pretrained(tmp, state_dict=lm if self.is_peft_model else {**lm, **head})
+                with fsdp_free_names(model.pretrained_model):
+                    model.pretrained_model.save_pretrained(tmp, state_dict=lm if self.is_peft_model else {**lm, **head})
                 save_file(head, str(Path(tmp) / VALUE_HEAD_FILE))
             if not self.is_peft_model:  # a full model directory is only loadable with its tokenizer
                 self.tokenizer.save_pretrained(tmp)

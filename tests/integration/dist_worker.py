@@ -1,6 +1,7 @@
 """Fixed PPO and GRPO updates, run once on one process (by test_distributed.py) and once split over two.
 
     torchrun --nproc_per_node 2 tests/integration/dist_worker.py OUT_DIR
+    accelerate launch --config_file configs/accelerate/fsdp.yaml tests/integration/dist_worker.py OUT_DIR
 
 Each rank takes its half of the same 64 (query, response, score) rows, and of the same 8 groups of 4 episodes,
 makes one update (one epoch, one mini-batch over the global batch) and rank 0 writes the updated weights to
@@ -49,10 +50,20 @@ def ppo_update(rows, lr: float = 0.05) -> dict[str, torch.Tensor]:
                        init_kl_coef=0.1, exp_name="dist")
     trainer = PPOTrainer(config, model, None, tok, optimizer=torch.optim.SGD(model.parameters(), lr=lr))
     stats = trainer.step([q for q, _, _ in rows], [r for _, r, _ in rows], [s for _, _, s in rows])
-    weights = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+    weights = whole_weights(trainer)
     weights["stats.objective/kl"] = torch.tensor(stats["objective/kl"])
     weights["stats.ppo/mean_scores"] = torch.tensor(stats["ppo/mean_scores"])
     return weights
+
+
+def whole_weights(trainer) -> dict[str, torch.Tensor]:
+    """The updated parameters by name: gathered under FSDP (on the main process), else this process's copy."""
+    from agentrl.distributed import gathered_state_dict
+
+    full = gathered_state_dict(trainer.accelerator, trainer.model)
+    if full is not None:
+        return full
+    return {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
 
 
 def grpo_episodes(tok):
@@ -83,7 +94,7 @@ def grpo_update(episodes, lr: float = 0.05) -> dict[str, torch.Tensor]:
                         logprob_mismatch_threshold=None)
     trainer = GRPOTrainer(config, model, tok, optimizer=torch.optim.SGD(model.parameters(), lr=lr))
     stats = trainer._update(episodes)
-    weights = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    weights = whole_weights(trainer)
     weights["stats.grpo/mean_scores"] = torch.tensor(stats["grpo/mean_scores"])
     return weights
 
@@ -102,6 +113,7 @@ def main(out: str) -> None:
     episodes = grpo_episodes(tok)  # 4 whole groups per rank
     with state.split_between_processes(episodes) as mine:
         grpo = grpo_update(mine)
+    print(f"dist_worker: trained under {state.distributed_type.value}", flush=True)  # FSDP once an Accelerator is
     if state.is_main_process:
         save_file({k: v.contiguous() for k, v in ppo.items()}, f"{out}/ppo.safetensors")
         save_file({k: v.contiguous() for k, v in grpo.items()}, f"{out}/grpo.safetensors")

@@ -141,3 +141,20 @@ def test_settings_that_cannot_take_effect_are_named_at_start():
         warnings.simplefilter("always")
         warn_ineffective(load_job("quickstart"), "ppo")  # the shipped configs warn about nothing
     assert not caught
+
+
+def test_cached_eval_stores_reuses_and_recomputes_for_another_config(tmp_path):
+    from agentrl.checkpoint import cached_eval
+
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return {"greedy": {"accuracy": 0.5 + len(calls)}}
+
+    first = cached_eval(tmp_path, "before", {"seed": 0}, compute)
+    assert cached_eval(tmp_path, "before", {"seed": 0}, compute) == first and len(calls) == 1  # stored, reused
+    assert cached_eval(tmp_path, "before", {"seed": 1}, compute) != first and len(calls) == 2  # another config
+    (tmp_path / "checkpoints" / "eval-before.json").write_text('{"config": ')  # a torn write: computed again
+    cached_eval(tmp_path, "before", {"seed": 1}, compute)
+    assert len(calls) == 3
