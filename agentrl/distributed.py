@@ -6,6 +6,8 @@ Imports only torch and accelerate, so the checkpoint module and the trainers can
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 from contextlib import contextmanager, nullcontext
 
@@ -51,8 +53,19 @@ def finish_trackers(accelerator) -> None:
 
 def end_processes() -> None:
     """The end of a job: every process waits for the main one (still writing), then the group is closed."""
+    global _COLLECT_AT_EXIT
     wait_for_everyone()
     partial_state().destroy_process_group()
+    # destroy_process_group drops torch's own references to the group, not those of the objects using it (an FSDP
+    # unit keeps its process_group). Freed during the interpreter's finalization, gloo's work objects can abort
+    # the process (SIGABRT after a finished job: seen once in the FSDP job test; pytorch/pytorch#179291 describes
+    # the mechanism), so what is left is collected at exit, while the interpreter is still whole.
+    if not _COLLECT_AT_EXIT:
+        atexit.register(gc.collect)
+        _COLLECT_AT_EXIT = True
+
+
+_COLLECT_AT_EXIT = False
 
 
 def make_accelerator(**kwargs):

@@ -460,25 +460,62 @@ def shared_prefix_logprobs(model, batch: TokenBatch, temperature: float, with_en
         return None
     rm = torch.tensor(row_map, device=device)
     last = out.hidden_states[-1][:, -1][rm]  # (B, H)
-    cache.batch_select_indices(rm)  # (U, ...) -> (B, ...): differentiable indexing of each layer's K and V
-    # The rest of each row, right-padded: (B, Ls), on top of its prefix's cache.
-    lengths = batch.attention_mask.sum(-1)
-    rest = (lengths - first).clamp(min=0)
+    rest = (batch.attention_mask.sum(-1) - first).clamp(min=0)  # (B,) each row's tokens after its prefix
+    groups = rest_groups(rest)
+    if groups is None:  # one forward over every row's rest
+        cache.batch_select_indices(rm)  # (U, ...) -> (B, ...): differentiable indexing of each layer's K and V
+        return _rest_logprobs(model, kw, head, batch, torch.arange(B, device=device), cache, prefix_mask[rm],
+                              last, first, rest, temperature, with_entropy, entropy_grad)
+    # Rows of similar rest lengths together (DPO's chosen and rejected differ), each group on its own copy of
+    # its rows' prefix caches: fewer padded positions, the same numbers per row.
+    logprobs = entropy = None
+    for g in groups:
+        cache_g = DynamicCache(ddp_cache_data=[(layer.keys[rm[g]], layer.values[rm[g]]) for layer in cache.layers])
+        lp, ent, _ = _rest_logprobs(model, kw, head, batch, g, cache_g, prefix_mask[rm[g]], last[g], first[g],
+                                    rest[g], temperature, with_entropy, entropy_grad)
+        logprobs = lp if logprobs is None else logprobs + lp  # disjoint rows, zeros elsewhere
+        entropy = None if ent is None else ent if entropy is None else entropy + ent
+    return logprobs, entropy, None
+
+
+# Rows are split in two groups by the length of their rest (shared_prefix_logprobs) when that saves at least this
+# fraction of the rest's padded positions. Lower than BUCKET_MIN_SAVING: the prefix is not run again.
+REST_GROUP_MIN_SAVING = 0.1
+
+
+def rest_groups(rest: torch.Tensor) -> list[torch.Tensor] | None:
+    """Two groups of row indices, shorter rests and longer rests, or None when that saves too little."""
+    if rest.numel() < 4:
+        return None
+    order = torch.argsort(rest)
+    groups = list(torch.tensor_split(order, 2))
+    padded = rest.numel() * int(rest.max())
+    if sum(len(g) * int(rest[g].max()) for g in groups) > (1 - REST_GROUP_MIN_SAVING) * padded:
+        return None
+    return groups
+
+
+def _rest_logprobs(model, kw, head, batch: TokenBatch, rows, cache, prefix_mask, last, first, rest, temperature,
+                   with_entropy, entropy_grad):
+    """shared_prefix_logprobs' second part for `rows` (indices into the batch): the rest of each of those rows,
+    right-padded, on top of `cache` (their prefixes' KV, one per row); (logprobs, entropy, None), (B, T-1) with
+    zeros outside `rows`. first, rest, last, prefix_mask: those rows' own."""
+    mask, ids = batch.loss_mask, batch.input_ids[rows]
     Ls = int(rest.max())
-    arange = torch.arange(Ls, device=device)
-    valid = arange[None] < rest[:, None]  # (B, Ls)
+    arange = torch.arange(Ls, device=ids.device)
+    valid = arange[None] < rest[:, None]  # (R, Ls)
     take = (first[:, None] + arange[None]).clamp(max=ids.shape[1] - 1)
-    rest_ids = torch.where(valid, ids.gather(1, take), torch.full_like(take, pad))
-    out = model(input_ids=rest_ids, attention_mask=torch.cat([prefix_mask[rm], valid.long()], 1),
+    rest_ids = torch.where(valid, ids.gather(1, take), torch.full_like(take, 0))
+    out = model(input_ids=rest_ids, attention_mask=torch.cat([prefix_mask, valid.long()], 1),
                 position_ids=first[:, None] + arange[None], use_cache=True, output_hidden_states=True,
                 logits_to_keep=1, **{kw: cache})
     # Column j predicts token first + j: the prefix's last hidden state, then the rest's (its last column
     # predicts nothing).
-    hidden = torch.cat([last[:, None], out.hidden_states[-1][:, :-1]], 1)  # (B, Ls, H)
-    shifted = mask.gather(1, (first[:, None] - 1 + arange[None]).clamp(max=mask.shape[1] - 1)).bool() & valid
+    hidden = torch.cat([last[:, None], out.hidden_states[-1][:, :-1]], 1)  # (R, Ls, H)
+    shifted = mask[rows].gather(1, (first[:, None] - 1 + arange[None]).clamp(max=mask.shape[1] - 1)).bool() & valid
     r, j = torch.nonzero(shifted, as_tuple=True)
     logprobs, entropy = _head_logprobs(head, hidden, shifted, rest_ids, temperature, with_entropy, entropy_grad,
-                                       (r, first[r] - 1 + j, mask.shape))
+                                       (rows[r], first[r] - 1 + j, mask.shape))
     return logprobs, entropy, None
 
 

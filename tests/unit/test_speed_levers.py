@@ -13,6 +13,9 @@ from agentrl.trainers.common import (build_batch, lm_logprobs, masked_logprobs, 
                                      shared_prefix_logprobs)
 
 
+rest_logprobs = common._rest_logprobs
+
+
 def tiny_lora(vocab: int = 97, seed: int = 0):
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -58,12 +61,18 @@ def test_response_only_logprobs_match_the_full_forward(monkeypatch, chunk, recom
     assert_same(fast, values_and_grads(model, lambda: reference(model, batch, 0.7)))
 
 
-def test_shared_prefix_logprobs_match_the_full_forward():
-    """Each distinct prompt runs once and its KV cache is shared: same logprobs, entropy and gradients."""
+@pytest.mark.parametrize("grouped", [False, True])
+def test_shared_prefix_logprobs_match_the_full_forward(monkeypatch, grouped):
+    """Each distinct prompt runs once and its KV cache is shared: same logprobs, entropy and gradients; also with
+    the rests run in two groups by length (rests of 1, 2, 2 and 4, 5 tokens: 16 padded positions instead of 25)."""
+    monkeypatch.setattr(common, "REST_GROUP_MIN_SAVING", 0.3 if grouped else 1.1)
+    calls = []
+    monkeypatch.setattr(common, "_rest_logprobs", lambda *a, **k: calls.append(len(a[4])) or rest_logprobs(*a, **k))
     model, batch = tiny_lora(), build_batch(ROWS, 0)
     shared = values_and_grads(model, lambda: shared_prefix_logprobs(model, batch, 0.7, with_entropy=True,
                                                                     entropy_grad=True)[:2])
     assert_same(shared, values_and_grads(model, lambda: reference(model, batch, 0.7)))
+    assert calls == ([3, 2] if grouped else [5])  # rows per forward of the rests
     # Nothing to share (every prompt distinct): no shortcut taken.
     assert shared_prefix_logprobs(model, build_batch(ROWS[1:3], 0), 0.7) is None
 
