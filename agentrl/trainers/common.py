@@ -461,7 +461,7 @@ def shared_prefix_logprobs(model, batch: TokenBatch, temperature: float, with_en
     rm = torch.tensor(row_map, device=device)
     last = out.hidden_states[-1][:, -1][rm]  # (B, H)
     rest = (batch.attention_mask.sum(-1) - first).clamp(min=0)  # (B,) each row's tokens after its prefix
-    groups = rest_groups(rest)
+    groups = length_groups(rest, REST_GROUP_MIN_SAVING) if B >= 4 else None
     if groups is None:  # one forward over every row's rest
         cache.batch_select_indices(rm)  # (U, ...) -> (B, ...): differentiable indexing of each layer's K and V
         return _rest_logprobs(model, kw, head, batch, torch.arange(B, device=device), cache, prefix_mask[rm],
@@ -481,18 +481,6 @@ def shared_prefix_logprobs(model, batch: TokenBatch, temperature: float, with_en
 # Rows are split in two groups by the length of their rest (shared_prefix_logprobs) when that saves at least this
 # fraction of the rest's padded positions. Lower than BUCKET_MIN_SAVING: the prefix is not run again.
 REST_GROUP_MIN_SAVING = 0.1
-
-
-def rest_groups(rest: torch.Tensor) -> list[torch.Tensor] | None:
-    """Two groups of row indices, shorter rests and longer rests, or None when that saves too little."""
-    if rest.numel() < 4:
-        return None
-    order = torch.argsort(rest)
-    groups = list(torch.tensor_split(order, 2))
-    padded = rest.numel() * int(rest.max())
-    if sum(len(g) * int(rest[g].max()) for g in groups) > (1 - REST_GROUP_MIN_SAVING) * padded:
-        return None
-    return groups
 
 
 def _rest_logprobs(model, kw, head, batch: TokenBatch, rows, cache, prefix_mask, last, first, rest, temperature,
@@ -523,18 +511,25 @@ def _rest_logprobs(model, kw, head, batch: TokenBatch, rows, cache, prefix_mask,
 BUCKET_MIN_SAVING = 0.25
 
 
+def length_groups(lengths: torch.Tensor, min_saving: float, buckets: int = 2) -> list[torch.Tensor] | None:
+    """Row indices in `buckets` groups of similar `lengths` (shortest first), or None when padding each group
+    to its own longest row would not cut the padded positions by at least `min_saving`."""
+    order = torch.argsort(lengths)
+    groups = [g for g in torch.tensor_split(order, buckets) if len(g)]
+    padded = lengths.numel() * int(lengths.max())
+    if len(groups) < 2 or sum(len(g) * int(lengths[g].max()) for g in groups) > (1 - min_saving) * padded:
+        return None
+    return groups
+
+
 def by_length(forward, batch: TokenBatch, buckets: int = 2):
     """forward(batch) -> tuple of (B, T-1) tensors (or None), run on `buckets` groups of rows of similar length
     and put back in row order, when that saves enough padding (BUCKET_MIN_SAVING): a mini-batch mixing
     20- and 70-token episodes no longer pays 70 positions for each. Rows are independent in a causal LM
     forward, so the numbers are those of one forward (up to float rounding); gradients flow through the
     reassembly."""
-    lengths = batch.attention_mask.sum(-1)
-    order = torch.argsort(lengths)
-    groups = [g for g in torch.tensor_split(order, buckets) if len(g)]
-    padded = len(batch) * int(lengths.max())
-    bucketed = sum(len(g) * int(lengths[g].max()) for g in groups)
-    if len(groups) < 2 or bucketed > (1 - BUCKET_MIN_SAVING) * padded:
+    groups = length_groups(batch.attention_mask.sum(-1), BUCKET_MIN_SAVING, buckets)
+    if groups is None:
         return forward(batch)
     outs = [forward(batch.select(g)) for g in groups]
     shape = batch.loss_mask.shape
