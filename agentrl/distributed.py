@@ -54,6 +54,10 @@ def finish_trackers(accelerator) -> None:
 def end_processes() -> None:
     """The end of a job: every process waits for the main one (still writing), then the group is closed."""
     global _COLLECT_AT_EXIT
+    if partial_state().num_processes == 1:
+        # No group of agentrl's: one destroyed here would be another library's (a vLLM engine in this process
+        # starts a world of one and closes it itself at exit, with "Invalid process group" if it is gone).
+        return
     wait_for_everyone()
     partial_state().destroy_process_group()
     # destroy_process_group drops torch's own references to the group, not those of the objects using it (an FSDP
