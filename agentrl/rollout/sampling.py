@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,35 @@ def keeps_logits(model: torch.nn.Module) -> bool:
     """Whether the causal LM's forward takes `logits_to_keep` (logits of the last positions only)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
+_INDEX_KEEP_OK: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def index_logits_to_keep(model: torch.nn.Module, device) -> bool:
+    """Whether the causal LM takes `logits_to_keep` as a 1-D tensor of positions (transformers' own models do;
+    remote-code ones may take only an int), checked once per model on a one-token forward.
+
+    Why it matters: `logits_to_keep=1` runs the head on `hidden[:, -1:]`, a non-contiguous slice, which torch
+    multiplies by a frozen (V, H) weight as a batched matmul that reads the whole weight once per row. At
+    V = 151,936 (Qwen) one such call on 16 rows took 570 ms against 103 ms for the same rows indexed out
+    contiguously (one thread); a DPO step of 16 pairs spent 3.3 of its 13 s there. A position index gives a
+    contiguous copy, and an empty index no logits at all (the trainers read hidden states)."""
+    if not keeps_logits(model):
+        return False
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if base not in _INDEX_KEEP_OK:
+        ok = False
+        with torch.no_grad(), torch.autocast(torch.device(device).type, enabled=False):
+            try:
+                one = torch.zeros((1, 2), dtype=torch.long, device=device)
+                out = base(input_ids=one, attention_mask=torch.ones_like(one),
+                           logits_to_keep=torch.tensor([1], dtype=torch.long, device=device))
+                ok = tuple(out.logits.shape[:2]) == (1, 1)
+            except Exception:  # noqa: BLE001 - any failure means: use the int form
+                ok = False
+        _INDEX_KEEP_OK[base] = ok
+    return _INDEX_KEEP_OK[base]
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -125,12 +155,16 @@ def sample_batch(
     samples = [Sample([], [], "length", [] if value_head is not None else None) for _ in range(B)]
     active = torch.ones(B, dtype=torch.bool, device=device)
     cache_kw = cache_kwarg(model)
-    # Logits of the prompt's last position only: the others are never read (a (B, T, V) block saved).
+    # Logits of the prompt's last position only: the others are never read (a (B, T, V) block saved). As a
+    # position index where the model takes one: the head then runs on a contiguous copy (index_logits_to_keep).
     extra = {"logits_to_keep": 1} if keeps_logits(model) else {}
     if value_head is not None:
         extra["output_hidden_states"] = True
+    last_only = dict(extra)
+    if extra and index_logits_to_keep(model, device):
+        last_only["logits_to_keep"] = torch.tensor([input_ids.shape[1] - 1], device=device)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                use_cache=True, **{cache_kw: cache}, **extra)
+                use_cache=True, **{cache_kw: cache}, **last_only)
     last_logits, last_hidden = out.logits[:, -1], out.hidden_states[-1][:, -1] if value_head is not None else None
     if not resume and len(distinct) < B:
         rows = torch.tensor(row_of, device=device)

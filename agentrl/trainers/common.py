@@ -17,7 +17,7 @@ from agentrl.distributed import (all_finite, gathered_for_generation, global_log
                                  global_masked_moments, global_token_scale, make_accelerator, mean_over_processes,
                                  sum_over_processes)
 from agentrl.rollout.engine import Episode
-from agentrl.rollout.sampling import position_ids  # noqa: F401  (re-exported for trainers)
+from agentrl.rollout.sampling import index_logits_to_keep, position_ids  # noqa: F401  (position_ids: re-exported)
 
 
 @dataclass
@@ -360,6 +360,16 @@ def _output_head(lm, batch: TokenBatch, positions: dict) -> torch.nn.Linear | No
     return _HEAD_OK[base]
 
 
+def _no_logits(lm, device) -> dict:
+    """The forward kwarg that makes the model's own LM head run on no position at all (the fast paths read its
+    last hidden states and apply the head themselves): `logits_to_keep` as an empty index tensor where the model
+    takes one (sampling.index_logits_to_keep), else 1. `logits_to_keep=1` is not free at a real vocabulary:
+    see sampling.index_logits_to_keep."""
+    if index_logits_to_keep(lm, device):
+        return {"logits_to_keep": torch.empty(0, dtype=torch.long, device=device)}
+    return {"logits_to_keep": 1}
+
+
 def response_logprobs(model, batch: TokenBatch, temperature: float, with_entropy: bool = False,
                       value_head: torch.nn.Module | None = None, entropy_grad: bool = False):
     """Logprobs of tokens 1..T-1 computed only where `batch.loss_mask` (B, T-1) is 1: the last hidden states of
@@ -377,9 +387,9 @@ def response_logprobs(model, batch: TokenBatch, temperature: float, with_entropy
     head = _output_head(model, batch, positions)
     if head is None:
         return None
-    # logits_to_keep=1: the model's own head runs on one position only; we read the last hidden state instead.
+    # The model's own head runs on no position (_no_logits): we read the last hidden states instead.
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True,
-                logits_to_keep=1, **positions)
+                **_no_logits(model, batch.input_ids.device), **positions)
     hidden = out.hidden_states[-1][:, :-1]  # (B, T-1, H): position t predicts token t+1
     where = batch.loss_mask.bool()
     logprobs, entropy = _head_logprobs(head, hidden, where, batch.input_ids[:, 1:], temperature, with_entropy,
@@ -455,7 +465,7 @@ def shared_prefix_logprobs(model, batch: TokenBatch, temperature: float, with_en
     cache = DynamicCache()
     kw = cache_kwarg(model)
     out = model(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=position_ids(prefix_mask),
-                use_cache=True, output_hidden_states=True, logits_to_keep=1, **{kw: cache})
+                use_cache=True, output_hidden_states=True, **_no_logits(model, device), **{kw: cache})
     if cache.get_seq_length() != width:  # the model kept no cache (gradient checkpointing turns it off)
         return None
     rm = torch.tensor(row_map, device=device)
@@ -496,7 +506,7 @@ def _rest_logprobs(model, kw, head, batch: TokenBatch, rows, cache, prefix_mask,
     rest_ids = torch.where(valid, ids.gather(1, take), torch.full_like(take, 0))
     out = model(input_ids=rest_ids, attention_mask=torch.cat([prefix_mask, valid.long()], 1),
                 position_ids=first[:, None] + arange[None], use_cache=True, output_hidden_states=True,
-                logits_to_keep=1, **{kw: cache})
+                **_no_logits(model, ids.device), **{kw: cache})
     # Column j predicts token first + j: the prefix's last hidden state, then the rest's (its last column
     # predicts nothing).
     hidden = torch.cat([last[:, None], out.hidden_states[-1][:, :-1]], 1)  # (R, Ls, H)

@@ -2,10 +2,12 @@
 
     bash benchmarks/peers/setup.sh                       # once: the peers' venvs in .venv-peers/
     python benchmarks/peers/run.py --json runs/peers.json [--quick] [--models embedded,26m] [--tasks ppo,grpo,dpo]
+    python benchmarks/peers/run.py --models 26m-v151936 --tasks dpo   # the 26 M body with Qwen's vocabulary
 
 Each (task, model) runs agentrl and the peer interleaved, A B A B (`--repeats` pairs), every run in its own
 process with one torch thread, on the same weights, tokenizer, LoRA, batch and lengths (common.py). The models
-(the embedded 150 K model and a seeded random Llama of 26 M parameters) and the workload are made once under
+(the embedded 150 K model and a seeded random Llama of 26 M parameters; `26m-vN`: the same body with a
+vocabulary of N, of which the workload uses the tokenizer's first 322 ids) and the workload are made once under
 --models-dir and loaded by both sides. Prints each task's settings side by side, then the table: median seconds
 per step over the timed steps of all repeats (the first --warmup steps of each process are not timed), peak RSS
 (the largest of the repeats), the ratio peer / agentrl (> 1: agentrl is faster) and whether both sides'
@@ -28,18 +30,30 @@ sys.path.insert(0, str(HERE))
 import common  # noqa: E402
 
 MODELS = {"embedded": "embedded 150 K", "26m": "Llama 26 M"}
-# (untimed warm-up steps, timed steps) per process. One 26 M PPO step is ~25 CPU seconds (minutes of wall clock
-# on a busy shared machine), so it is timed from its first step: one-time set-up costs count on both sides.
+
+
+def base_model(model: str) -> str:
+    """The body a model name stands for ("26m-v151936" -> "26m"): its STEPS."""
+    return model.split("-v")[0]
+
+
+def model_label(model: str) -> str:
+    """"26m-v151936" -> "Llama 26 M body, vocabulary 151,936"."""
+    return MODELS.get(model) or f"{MODELS['26m']} body, vocabulary {int(model.split('-v')[1]):,}"
+# (untimed warm-up steps, timed steps) per process. A 26 M step's time moves by 10-30% from one step to the next on
+# this shared 2-core machine (one GRPO process measured 5.6-6.2 s, the next 7.0-8.1 s on the same work), so the
+# 26 M rows time 2-5 steps a process after one warm-up; a 26 M PPO step is ~25 CPU seconds.
 STEPS = {("ppo", "embedded"): (1, 2), ("grpo", "embedded"): (1, 3), ("dpo", "embedded"): (1, 5),
-         ("ppo", "26m"): (0, 1), ("grpo", "26m"): (1, 1), ("dpo", "26m"): (1, 3)}
+         ("ppo", "26m"): (1, 2), ("grpo", "26m"): (1, 3), ("dpo", "26m"): (1, 5)}
 LLAMA_26M = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
              "intermediate_size": 1408, "max_position_embeddings": 256}
 
 
 # --- models and workload (made once, read by both sides) ------------------------------------------------
 
-def prepare(models_dir: Path) -> None:
-    """The embedded model (agentrl's own builder), a seeded random 26 M Llama with its tokenizer, the workload."""
+def prepare(models_dir: Path, models: list[str] = ("26m",)) -> None:
+    """The embedded model (agentrl's own builder), a seeded random 26 M Llama with its tokenizer (and each
+    `26m-vN` of `models`: the same body with a vocabulary of N), the workload."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -49,14 +63,16 @@ def prepare(models_dir: Path) -> None:
     if not (embedded / "config.json").exists():
         build_base_model(embedded, progress=False)
     tok = AutoTokenizer.from_pretrained(embedded)
-    big = models_dir / "26m"
-    if not (big / "config.json").exists():
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=len(tok), tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, attention_dropout=0.0, **LLAMA_26M))
-        model.save_pretrained(big)
-        tok.save_pretrained(big)
+    for name in {"26m", *(m for m in models if m.startswith("26m-v"))}:
+        big = models_dir / name
+        if not (big / "config.json").exists():
+            torch.manual_seed(0)
+            vocab = int(name.split("-v")[1]) if "-v" in name else len(tok)
+            model = LlamaForCausalLM(LlamaConfig(
+                vocab_size=vocab, tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, attention_dropout=0.0, **LLAMA_26M))
+            model.save_pretrained(big)
+            tok.save_pretrained(big)
     workload = models_dir / "workload.json"
     if not workload.exists():
         workload.write_text(json.dumps(make_workload(tok)))
@@ -149,7 +165,7 @@ def side_by_side(task: str, model: str, a: dict, p: dict) -> str:
     out.append(f"  {'library':34s} {a['library']:44s} {p['library']}")
     out.append(f"  {'versions':34s} {json.dumps(a['versions']):44s} {json.dumps(p['versions'])}")
     out.append(f"  {'torch threads':34s} {a['threads']!s:44s} {p['threads']}")
-    return f"{task} on {MODELS[model]}:\n" + "\n".join(out)
+    return f"{task} on {model_label(model)}:\n" + "\n".join(out)
 
 
 LABELS = {"ppo": "PPO (64 x 14+<=32 tokens, mini-batch 16, 4 epochs)", "grpo": "GRPO (8 prompts x 8, <= 32 new tokens, beta 0)",
@@ -175,15 +191,19 @@ def main() -> None:
         args.models, args.repeats, args.steps = ("embedded" if args.models == "embedded,26m" else args.models), 1, 1
         args.warmup = 1 if args.warmup is None else args.warmup
     models_dir = Path(args.models_dir).resolve()
-    prepare(models_dir)
+    models = args.models.split(",")
+    unknown = [m for m in models if m not in MODELS and not (m.startswith("26m-v") and m[5:].isdigit())]
+    if unknown:
+        parser.error(f"--models: unknown {unknown}; known: {sorted(MODELS)} or 26m-vN (N: a vocabulary size)")
+    prepare(models_dir, models)
     work = json.loads((models_dir / "workload.json").read_text())
     peers = Path(args.peers_dir).resolve()
     load_before = os.getloadavg()
     print(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)}", flush=True)
     rows, started = [], time.time()
-    for model in args.models.split(","):
+    for model in models:
         for task in args.tasks.split(","):
-            warmup, steps = STEPS[(task, model)]
+            warmup, steps = STEPS[(task, base_model(model))]
             warmup = warmup if args.warmup is None else args.warmup
             steps = steps if args.steps is None else args.steps
             peer_python = str(peers / common.PEER_VENV[task] / "bin" / "python")
@@ -197,7 +217,7 @@ def main() -> None:
                           f"{r['peak_rss_mb']:.0f} MB, moved {r['moved']['max_abs_change']:.2e} "
                           f"({r['wall_s']} s)", flush=True)
             print(side_by_side(task, model, runs["agentrl"][0], runs["peer"][0]), flush=True)
-            rows.append({"task": task, "model": MODELS[model], "label": LABELS[task].format(n=round(work["pair_tokens_mean"]))
+            rows.append({"task": task, "model": model_label(model), "label": LABELS[task].format(n=round(work["pair_tokens_mean"]))
                          + (", bf16 autocast both" if args.precision == "bf16" else ""),
                          "peer_name": common.PEER[task], "agentrl": summarise(runs["agentrl"]),
                          "peer": summarise(runs["peer"]), "runs": runs})

@@ -51,3 +51,9 @@ def test_digit_reward_varies_with_text(run):
     import common
 
     assert common.digit_reward("a1b2") == 0.5 and common.digit_reward("") == 0.0
+
+
+def test_a_vocabulary_variant_of_the_26m_model_is_labelled_and_timed_like_it(run):
+    assert run.model_label("26m") == "Llama 26 M"
+    assert run.model_label("26m-v151936") == "Llama 26 M body, vocabulary 151,936"
+    assert run.base_model("26m-v151936") == run.base_model("26m") == "26m"  # timed with 26m's STEPS

@@ -1,6 +1,7 @@
 """The speed levers keep the maths: each fast path against the plain full forward, values and gradients."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -217,3 +218,48 @@ def test_length_buckets_give_the_one_forward_numbers_and_gradients(monkeypatch):
     split = values_and_grads(model, lambda: common.by_length(
         lambda b: response_logprobs(model, b, 0.7, with_entropy=True, entropy_grad=True)[:2], batch))
     assert_same(split, values_and_grads(model, lambda: reference(model, batch, 0.7)))
+
+
+class IntKeepOnly(LlamaForCausalLM):
+    """A causal LM whose `logits_to_keep` must be an int (as some remote-code models write it)."""
+
+    @functools.wraps(LlamaForCausalLM.forward)  # the same signature: position_ids, logits_to_keep, ...
+    def forward(self, *args, **kwargs):
+        if not isinstance(kwargs.get("logits_to_keep", 0), int):
+            raise TypeError("logits_to_keep must be an int")
+        return super().forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("int_only", [False, True])
+def test_the_models_own_head_runs_on_no_position_in_the_fast_paths(monkeypatch, int_only):
+    """The fast paths read hidden states, so the model's own head must not run (at V = 152 K it cost a quarter of
+    a DPO step): an empty position index where the model takes one; logits_to_keep=1 where it takes only an int.
+    Same numbers either way; the sampler still gets its last-position logits."""
+    from agentrl.rollout import SamplingParams, sample_batch
+    from agentrl.rollout.sampling import index_logits_to_keep
+
+    monkeypatch.setattr(common, "REST_GROUP_MIN_SAVING", 1.1)  # the rests in one forward
+    model = tiny_lora()
+    if int_only:
+        base = model.get_base_model()
+        base.__class__ = IntKeepOnly
+    rows_through_head = []
+    model.get_base_model().lm_head.register_forward_hook(
+        lambda mod, inp, out: rows_through_head.append(inp[0].shape[:-1].numel()))
+    assert index_logits_to_keep(model, torch.device("cpu")) is not int_only
+    batch = build_batch(ROWS, 0)
+    response_logprobs(model, batch, 0.7)  # the one-time check that the head can be split off runs the head
+    rows_through_head.clear()
+    fast = response_logprobs(model, batch, 0.7)[0]
+    shared = shared_prefix_logprobs(model, batch, 0.7)[0]
+    # The fast paths apply the head weight themselves, not through the module, so only the model's own head
+    # shows here: on no position with an index; with the int, one a row (5 rows; 2 prompts, then 5 rests).
+    assert rows_through_head == ([0, 0, 0] if not int_only else [5, 2, 5])
+    expected = reference(model, batch, 0.7)[0]
+    assert torch.allclose(fast, expected, atol=2e-6) and torch.allclose(shared, expected, atol=2e-6)
+    samples = sample_batch(model, [P1, P2], SamplingParams(max_new_tokens=3), 2, 0,
+                           generator=torch.Generator().manual_seed(0))
+    sampled = build_batch([(c + s.ids, [0] * len(c) + [1] * len(s.ids), []) for c, s in zip([P1, P2], samples)], 0)
+    for i, s in enumerate(samples):
+        span = slice(len([P1, P2][i]) - 1, len([P1, P2][i]) - 1 + len(s.ids))
+        assert torch.allclose(reference(model, sampled, 1.0)[0][i, span], torch.tensor(s.logprobs), atol=1e-5)
