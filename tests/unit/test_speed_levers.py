@@ -51,10 +51,13 @@ def assert_same(a, b, atol=2e-6):
     assert all(torch.allclose(x, y, atol=atol) for x, y in zip(a[2], b[2]))
 
 
-@pytest.mark.parametrize("chunk,recompute_above", [(1024, 1 << 25), (3, 0)])
-def test_response_only_logprobs_match_the_full_forward(monkeypatch, chunk, recompute_above):
-    """Head only at sampled positions, in chunks, with the head recomputed in backward: same numbers and grads."""
+@pytest.mark.parametrize("chunk,block_logits,recompute_above", [(1024, 1 << 25, 1 << 25), (3, 1 << 25, 0),
+                                                               (1024, 2 * 97, 1 << 25)])
+def test_response_only_logprobs_match_the_full_forward(monkeypatch, chunk, block_logits, recompute_above):
+    """Head only at sampled positions, in chunks (of LOGPROB_CHUNK positions or fewer where LOGPROB_BLOCK_LOGITS
+    bounds them: 2 positions at V = 97), with the head recomputed in backward: same numbers and grads."""
     monkeypatch.setattr(common, "LOGPROB_CHUNK", chunk)
+    monkeypatch.setattr(common, "LOGPROB_BLOCK_LOGITS", block_logits)
     monkeypatch.setattr(common, "RECOMPUTE_HEAD_ABOVE", recompute_above)
     model, batch = tiny_lora(), build_batch(ROWS, 0)
     fast = values_and_grads(model, lambda: response_logprobs(model, batch, 0.7, with_entropy=True,
