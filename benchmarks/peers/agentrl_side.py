@@ -88,7 +88,7 @@ def run_grpo(args, work, tok) -> dict:
     trainer = GRPOTrainer(config, model, tok)
     sampling = SamplingParams(max_new_tokens=s["completion_tokens"])
     before = common.trainable_snapshot(model)
-    clock, lengths = common.StepClock(), []
+    clock = common.StepClock()
     clock.tick()
     history = trainer.train(OneTurnEnv, [{"prompt": p} for p in work["prompts"]], steps=args.warmup + args.steps,
                             sampling=sampling, progress=False, callback=lambda step, stats: clock.tick())
