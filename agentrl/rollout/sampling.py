@@ -57,8 +57,8 @@ def index_logits_to_keep(model: torch.nn.Module, device) -> bool:
     Why it matters: `logits_to_keep=1` runs the head on `hidden[:, -1:]`, a non-contiguous slice, which torch
     multiplies by a frozen (V, H) weight as a batched matmul that reads the whole weight once per row. At
     V = 151,936 (Qwen) one such call on 16 rows took 570 ms against 103 ms for the same rows indexed out
-    contiguously (one thread); a DPO step of 16 pairs spent 3.3 of its 13 s there. A position index gives a
-    contiguous copy, and an empty index no logits at all (the trainers read hidden states)."""
+    contiguously (one thread); a DPO step of 16 pairs spent 3.3 of its 13 s there. An empty index gives no
+    logits at all (the trainers' fast paths read hidden states: trainers/common._no_logits)."""
     if not keeps_logits(model):
         return False
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -155,16 +155,15 @@ def sample_batch(
     samples = [Sample([], [], "length", [] if value_head is not None else None) for _ in range(B)]
     active = torch.ones(B, dtype=torch.bool, device=device)
     cache_kw = cache_kwarg(model)
-    # Logits of the prompt's last position only: the others are never read (a (B, T, V) block saved). As a
-    # position index where the model takes one: the head then runs on a contiguous copy (index_logits_to_keep).
+    # Logits of the prompt's last position only: the others are never read (a (B, T, V) block saved). Kept as
+    # logits_to_keep=1, not a position index (index_logits_to_keep), although at a 152 K vocabulary that costs
+    # a batched matmul over the whole head per row: the index gives logits that differ by float rounding (up to
+    # 3e-6), enough to change which tokens a seeded run samples (make demo's sampled accuracy 0.875 -> 0.795).
     extra = {"logits_to_keep": 1} if keeps_logits(model) else {}
     if value_head is not None:
         extra["output_hidden_states"] = True
-    last_only = dict(extra)
-    if extra and index_logits_to_keep(model, device):
-        last_only["logits_to_keep"] = torch.tensor([input_ids.shape[1] - 1], device=device)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                use_cache=True, **{cache_kw: cache}, **last_only)
+                use_cache=True, **{cache_kw: cache}, **extra)
     last_logits, last_hidden = out.logits[:, -1], out.hidden_states[-1][:, -1] if value_head is not None else None
     if not resume and len(distinct) < B:
         rows = torch.tensor(row_of, device=device)
