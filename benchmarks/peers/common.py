@@ -82,19 +82,68 @@ def model_facts(model) -> dict:
             "vocab": cfg.vocab_size, "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
 
 
+# run.py's lockstep mode: the two sides' processes run at the same time and take turns, one step each, passing a
+# byte over a socket pair (this variable names the inherited socket's fd; 1 after it: this side goes first).
+LOCKSTEP_ENV = "AGENTRL_PEERS_LOCKSTEP"
+
+
+class Baton:
+    """Whose turn it is, between the two processes of a lockstep pair: `take()` blocks until the other process
+    has finished its step; `give()` ends this one's. When the other process has exited (its end of the socket is
+    closed: it finished or failed), `take()` returns at once and this process goes on alone."""
+
+    def __init__(self, fd: int, first: bool):
+        import socket
+
+        self.sock = socket.socket(fileno=fd)
+        self.held, self.partner_gone = first, False
+
+    @classmethod
+    def from_env(cls) -> "Baton | None":
+        value = os.environ.get(LOCKSTEP_ENV)
+        if not value:
+            return None
+        fd, first = value.split(",")
+        return cls(int(fd), first == "1")
+
+    def take(self) -> None:
+        if self.held or self.partner_gone:
+            return
+        self.partner_gone = self.sock.recv(1) == b""
+        self.held = True
+
+    def give(self) -> None:
+        if self.held and not self.partner_gone:
+            try:
+                self.sock.sendall(b".")
+            except OSError:  # the other process is gone
+                self.partner_gone = True
+        self.held = False
+
+
 class StepClock:
     """Seconds of each step, from consecutive calls of tick() (the first tick starts the clock): wall-clock
     (`steps`) and this process's CPU time (`cpu_steps`). With one thread on a quiet machine the two agree; on a
-    shared one the wall clock also counts the time other processes held the core, the CPU time does not."""
+    shared one the wall clock also counts the time other processes held the core, the CPU time does not.
+
+    Under run.py's lockstep each tick also hands the turn to the other side's process and waits for it to come
+    back (`Baton`), so consecutive steps of the two libraries run back to back, never at the same time, and
+    the wait is not counted in either clock."""
 
     def __init__(self):
         self.last, self.steps, self.last_cpu, self.cpu_steps = None, [], None, []
+        self.baton = Baton.from_env()
 
     def tick(self) -> None:
         now, cpu = time.perf_counter(), time.process_time()
         if self.last is not None:
             self.steps.append(now - self.last)
             self.cpu_steps.append(cpu - self.last_cpu)
+        if self.baton is not None:
+            if self.last is not None:
+                self.baton.give()
+            self.baton.take()
+            now, cpu = time.perf_counter(), time.process_time()
         self.last, self.last_cpu = now, cpu
 
 

@@ -4,13 +4,17 @@
     python benchmarks/peers/run.py --json runs/peers.json [--quick] [--models embedded,26m] [--tasks ppo,grpo,dpo]
     python benchmarks/peers/run.py --models 26m-v151936 --tasks dpo   # the 26 M body with Qwen's vocabulary
 
-Each (task, model) runs agentrl and the peer interleaved, A B A B (`--repeats` pairs), every run in its own
-process with one torch thread, on the same weights, tokenizer, LoRA, batch and lengths (common.py). The models
+Each (task, model) runs agentrl and the peer interleaved (`--repeats` pairs of processes, A first in one pair,
+B in the next), every run in its own process with one torch thread. By default the two processes of a pair run
+at once and take turns step by step (lockstep: A's step, B's step, A's, ...; never both at the same time), so
+each step of one library is timed next to a step of the other; `--no-lockstep` runs one process after the
+other. Both sides run on the same weights, tokenizer, LoRA, batch and lengths (common.py). The models
 (the embedded 150 K model and a seeded random Llama of 26 M parameters; `26m-vN`: the same body with a
 vocabulary of N, of which the workload uses the tokenizer's first 322 ids) and the workload are made once under
 --models-dir and loaded by both sides. Prints each task's settings side by side, then the table: median seconds
 per step over the timed steps of all repeats (the first --warmup steps of each process are not timed), peak RSS
-(the largest of the repeats), the ratio peer / agentrl (> 1: agentrl is faster) and whether both sides'
+(the largest of the repeats), the ratio peer / agentrl (> 1: agentrl is faster; "paired": the median over
+each timed step against the other side's step of the same index) and whether both sides'
 trainable parameters moved. The load average is printed before and after: this machine is shared.
 """
 
@@ -103,24 +107,74 @@ def make_workload(tok) -> dict:
 
 # --- running the two sides --------------------------------------------------------------------------------
 
-def worker(side: str, task: str, model_dir: Path, workload: Path, steps: int, warmup: int, python: str,
-           extra: list[str] = ()) -> dict:
+def _command(side: str, task: str, model_dir: Path, workload: Path, steps: int, warmup: int, python: str,
+             extra: list[str] = ()) -> tuple[list[str], dict]:
     script = HERE / ("agentrl_side.py" if side == "agentrl" else "trl_side.py")
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1", WANDB_DISABLED="true")
+    env.pop(common.LOCKSTEP_ENV, None)
     if side != "agentrl":
         env.pop("PYTHONPATH", None)  # the peer's venv must not see agentrl's checkout
-    cmd = [python, str(script), "--task", task, "--model", str(model_dir), "--workload", str(workload),
-           "--warmup", str(warmup), "--steps", str(steps), *extra]
-    started = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("PEER-RESULT ")]
-    if proc.returncode or not lines:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
-        raise RuntimeError(f"{side} {task} on {model_dir.name} failed (exit {proc.returncode}):\n{tail}")
+    return [python, str(script), "--task", task, "--model", str(model_dir), "--workload", str(workload),
+            "--warmup", str(warmup), "--steps", str(steps), *extra], env
+
+
+def _result(side: str, task: str, model_dir: Path, returncode: int, stdout: str, stderr: str, started: float) -> dict:
+    lines = [line for line in stdout.splitlines() if line.startswith("PEER-RESULT ")]
+    if returncode or not lines:
+        tail = "\n".join((stdout + stderr).splitlines()[-25:])
+        raise RuntimeError(f"{side} {task} on {model_dir.name} failed (exit {returncode}):\n{tail}")
     result = json.loads(lines[-1][len("PEER-RESULT "):])
     result["wall_s"] = round(time.time() - started, 1)
     return result
+
+
+def worker(side: str, task: str, model_dir: Path, workload: Path, steps: int, warmup: int, python: str,
+           extra: list[str] = ()) -> dict:
+    """One side's process on its own (--no-lockstep)."""
+    cmd, env = _command(side, task, model_dir, workload, steps, warmup, python, extra)
+    started = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    return _result(side, task, model_dir, proc.returncode, proc.stdout, proc.stderr, started)
+
+
+def lockstep(commands: list[tuple[list[str], dict]]) -> list[tuple[int, str, str]]:
+    """Two processes at once, taking turns between their StepClock ticks (common.Baton over a socket pair): the
+    first command's process runs a step while the other waits, then the other, and so on; when one exits, the
+    other goes on alone. commands: two (argv, env). -> (returncode, stdout, stderr) of each."""
+    import socket
+    import threading
+
+    ends = socket.socketpair()
+    procs = []
+    try:
+        for (cmd, env), end, first in zip(commands, ends, ("1", "0")):
+            env = dict(env, **{common.LOCKSTEP_ENV: f"{end.fileno()},{first}"})
+            procs.append(subprocess.Popen(cmd, env=env, pass_fds=[end.fileno()], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+    finally:
+        for end in ends:  # each child holds its own end: a child that exits closes its end for the other
+            end.close()
+    outputs = [None] * len(procs)
+    # A reader thread per process, so that neither blocks on a full pipe while the other waits for its turn.
+    threads = [threading.Thread(target=lambda i=i: outputs.__setitem__(i, procs[i].communicate()))
+               for i in range(len(procs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [(proc.returncode, *out) for proc, out in zip(procs, outputs)]
+
+
+def lockstep_pair(sides: list[tuple[str, str]], task: str, model_dir: Path, workload: Path, steps: int, warmup: int,
+                  extra: list[str] = ()) -> dict:
+    """Both sides' processes at once, in turns (`lockstep`), the first of `sides` ((side, python) pairs) first:
+    each step of one library is timed right next to a step of the other, so a change in the machine's speed
+    during the run (this VM's steps drift by 10-30% over minutes) reaches both sides alike. Both load their
+    models at the same time; the turns start with the first side's warm-up step. -> {side: result}"""
+    started = time.time()
+    done = lockstep([_command(side, task, model_dir, workload, steps, warmup, python, extra) for side, python in sides])
+    return {side: _result(side, task, model_dir, *out, started) for (side, _), out in zip(sides, done)}
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -138,6 +192,22 @@ def ratio(agentrl: dict, peer: dict, key: str = "s_per_step") -> float:
     return peer[key] / agentrl[key]
 
 
+def paired_ratios(agentrl_runs: list[dict], peer_runs: list[dict], key: str = "cpu_steps") -> list[float]:
+    """peer / agentrl for each timed step against the other side's step of the same index in the same pair of
+    processes (in lockstep: the steps that ran back to back), over all pairs."""
+    out = []
+    for a, p in zip(agentrl_runs, peer_runs):
+        out += [ps / as_ for as_, ps in zip(a[key][a["warmup"]:], p[key][p["warmup"]:]) if as_ > 0]
+    return out
+
+
+def paired(ratios: list[float] | None) -> str:
+    """"x1.31 (1.22-1.40)": the median of the paired ratios and their range."""
+    if not ratios:
+        return "-"
+    return f"x{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def table(rows: list[dict]) -> str:
     """The side-by-side markdown table (what the README shows)."""
     def moved(row):
@@ -145,13 +215,14 @@ def table(rows: list[dict]) -> str:
                 f"{'yes' if row['agentrl']['moved'] else 'NO'} / {'yes' if row['peer']['moved'] else 'NO'}")
 
     lines = ["| step | model | agentrl s/step | peer | peer s/step | peer / agentrl | CPU s/step agentrl / peer "
-             "| CPU peer / agentrl | peak RSS agentrl / peer | params moved agentrl / peer |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| CPU peer / agentrl | paired CPU peer / agentrl | peak RSS agentrl / peer | params moved agentrl / peer |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         a, p = row["agentrl"], row["peer"]
         lines.append(f"| {row['label']} | {row['model']} | {a['s_per_step']:.3f} | {row['peer_name']} | "
                      f"{p['s_per_step']:.3f} | x{ratio(a, p):.2f} | {a['cpu_s_per_step']:.3f} / {p['cpu_s_per_step']:.3f} "
-                     f"| x{ratio(a, p, 'cpu_s_per_step'):.2f} | {a['peak_rss_mb']:.0f} / {p['peak_rss_mb']:.0f} MB "
+                     f"| x{ratio(a, p, 'cpu_s_per_step'):.2f} | {paired(row.get('paired_cpu_ratios'))} "
+                     f"| {a['peak_rss_mb']:.0f} / {p['peak_rss_mb']:.0f} MB "
                      f"| {moved(row)} |")
     return "\n".join(lines)
 
@@ -184,6 +255,9 @@ def main() -> None:
     parser.add_argument("--models-dir", default="runs/peers-models")
     parser.add_argument("--peers-dir", default=".venv-peers", help="where setup.sh made trl011/ and trl116/")
     parser.add_argument("--json", default=None, help="write every run's results and the table here")
+    parser.add_argument("--no-lockstep", dest="lockstep", action="store_false",
+                        help="run each process alone, one after the other (default: the two sides' processes of "
+                        "a pair run at once and take turns step by step)")
     parser.add_argument("--precision", choices=("no", "bf16"), default="no",
                         help="both sides: fp32 (no), or bf16 autocast (PPO: accelerate's mixed precision on both)")
     args = parser.parse_args()
@@ -208,19 +282,26 @@ def main() -> None:
             steps = steps if args.steps is None else args.steps
             peer_python = str(peers / common.PEER_VENV[task] / "bin" / "python")
             runs = {"agentrl": [], "peer": []}
-            for _ in range(args.repeats):  # A B A B
-                for side, python in (("agentrl", sys.executable), ("peer", peer_python)):
-                    r = worker(side, task, models_dir / model, models_dir / "workload.json", steps, warmup, python,
-                               ["--precision", args.precision])
+            for repeat in range(args.repeats):  # A B A B; in lockstep, A B A B step by step, A and B first in turn
+                sides = [("agentrl", sys.executable), ("peer", peer_python)][:: 1 if repeat % 2 == 0 else -1]
+                work_args = (task, models_dir / model, models_dir / "workload.json", steps, warmup)
+                if args.lockstep:
+                    results = lockstep_pair(sides, *work_args, ["--precision", args.precision])
+                else:
+                    results = {side: worker(side, *work_args, python, ["--precision", args.precision])
+                               for side, python in sides}
+                for side, _ in sides:
+                    r = results[side]
                     runs[side].append(r)
                     print(f"  {task} {model} {side}: {[round(s, 3) for s in r['steps']]} s/step, "
-                          f"{r['peak_rss_mb']:.0f} MB, moved {r['moved']['max_abs_change']:.2e} "
-                          f"({r['wall_s']} s)", flush=True)
+                          f"CPU {[round(s, 3) for s in r['cpu_steps']]}, {r['peak_rss_mb']:.0f} MB, "
+                          f"moved {r['moved']['max_abs_change']:.2e} ({r['wall_s']} s)", flush=True)
             print(side_by_side(task, model, runs["agentrl"][0], runs["peer"][0]), flush=True)
             rows.append({"task": task, "model": model_label(model), "label": LABELS[task].format(n=round(work["pair_tokens_mean"]))
                          + (", bf16 autocast both" if args.precision == "bf16" else ""),
                          "peer_name": common.PEER[task], "agentrl": summarise(runs["agentrl"]),
-                         "peer": summarise(runs["peer"]), "runs": runs})
+                         "peer": summarise(runs["peer"]), "runs": runs, "lockstep": args.lockstep,
+                         "paired_cpu_ratios": [round(x, 4) for x in paired_ratios(runs["agentrl"], runs["peer"])]})
             save(args.json, rows, load_before)  # after every row, so a long run's finished rows are kept
     text = save(args.json, rows, load_before)
     print(f"\n{text}\n\nload average before {' '.join(f'{x:.2f}' for x in load_before)}, after "

@@ -43,7 +43,7 @@ def test_ratio_and_table(run):
     text = run.table([{"label": "PPO", "model": "Llama 26 M", "peer_name": "TRL 0.11.4", "agentrl": agentrl,
                        "peer": peer}])
     row = text.splitlines()[2]
-    assert row == ("| PPO | Llama 26 M | 2.000 | TRL 0.11.4 | 3.000 | x1.50 | 1.000 / 1.500 | x1.50 | 100 / 90 MB "
+    assert row == ("| PPO | Llama 26 M | 2.000 | TRL 0.11.4 | 3.000 | x1.50 | 1.000 / 1.500 | x1.50 | - | 100 / 90 MB "
                    "| yes / NO |")
 
 
@@ -57,3 +57,51 @@ def test_a_vocabulary_variant_of_the_26m_model_is_labelled_and_timed_like_it(run
     assert run.model_label("26m") == "Llama 26 M"
     assert run.model_label("26m-v151936") == "Llama 26 M body, vocabulary 151,936"
     assert run.base_model("26m-v151936") == run.base_model("26m") == "26m"  # timed with 26m's STEPS
+
+
+STEPPER = """
+import sys, time
+sys.path.insert(0, {peers!r})
+import common
+clock = common.StepClock()
+clock.tick()
+for i in range(int(sys.argv[2])):
+    start = time.time()
+    while time.time() - start < 0.05:  # a step: busy, as a training step is
+        pass
+    print(sys.argv[1], start, time.time(), flush=True)
+    clock.tick()
+print("PEER-RESULT {{}}", flush=True)
+"""
+
+
+def test_lockstep_processes_take_turns_and_never_overlap(run, tmp_path):
+    import os
+
+    script = tmp_path / "stepper.py"
+    script.write_text(STEPPER.format(peers=str(PEERS)))
+    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_PEERS_LOCKSTEP"}
+    done = run.lockstep([([sys.executable, str(script), "A", "4"], env), ([sys.executable, str(script), "B", "4"], env)])
+    assert [code for code, _, _ in done] == [0, 0], done
+    steps = sorted((float(t0), float(t1), who) for _, out, _ in done for who, t0, t1 in
+                   (line.split() for line in out.splitlines() if line[0] in "AB"))
+    assert [who for _, _, who in steps] == list("ABABABAB")  # the first command starts, then turns
+    assert all(prev[1] <= nxt[0] for prev, nxt in zip(steps, steps[1:]))  # one at a time
+
+
+def test_in_lockstep_a_process_goes_on_alone_when_the_other_exits(run, tmp_path):
+    import os
+
+    script = tmp_path / "stepper.py"
+    script.write_text(STEPPER.format(peers=str(PEERS)))
+    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_PEERS_LOCKSTEP"}
+    done = run.lockstep([([sys.executable, str(script), "A", "1"], env), ([sys.executable, str(script), "B", "3"], env)])
+    assert [code for code, _, _ in done] == [0, 0]
+    assert sum(line.startswith("B ") for line in done[1][1].splitlines()) == 3  # no hang after A is gone
+
+
+def test_paired_ratios_compare_steps_of_the_same_index(run):
+    agentrl = [process([9.0, 2.0, 4.0]), process([9.0, 1.0])]  # cpu_steps are half of steps
+    peer = [process([9.0, 3.0, 4.0]), process([9.0, 2.0])]
+    assert run.paired_ratios(agentrl, peer) == [1.5, 1.0, 2.0]
+    assert run.paired([1.5, 1.0, 2.0]) == "x1.50 (1.00-2.00)" and run.paired([]) == "-"
