@@ -282,7 +282,7 @@ def main() -> None:
             steps = steps if args.steps is None else args.steps
             peer_python = str(peers / common.PEER_VENV[task] / "bin" / "python")
             runs = {"agentrl": [], "peer": []}
-            for repeat in range(args.repeats):  # A B A B; in lockstep, A B A B step by step, A and B first in turn
+            for repeat in range(args.repeats):  # pairs of processes: agentrl starts the even ones, the peer the odd ones
                 sides = [("agentrl", sys.executable), ("peer", peer_python)][:: 1 if repeat % 2 == 0 else -1]
                 work_args = (task, models_dir / model, models_dir / "workload.json", steps, warmup)
                 if args.lockstep:
