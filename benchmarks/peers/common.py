@@ -98,13 +98,18 @@ class Baton:
         self.sock = socket.socket(fileno=fd)
         self.held, self.partner_gone = first, False
 
+    _process: "Baton | None" = None
+
     @classmethod
     def from_env(cls) -> "Baton | None":
+        """This process's baton (one per process: every StepClock shares it), or None outside lockstep."""
         value = os.environ.get(LOCKSTEP_ENV)
         if not value:
             return None
-        fd, first = value.split(",")
-        return cls(int(fd), first == "1")
+        if cls._process is None:
+            fd, first = value.split(",")
+            cls._process = cls(int(fd), first == "1")
+        return cls._process
 
     def take(self) -> None:
         if self.held or self.partner_gone:
