@@ -152,6 +152,11 @@ def lockstep(commands: list[tuple[list[str], dict]]) -> list[tuple[int, str, str
             env = dict(env, **{common.LOCKSTEP_ENV: f"{end.fileno()},{first}"})
             procs.append(subprocess.Popen(cmd, env=env, pass_fds=[end.fileno()], stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
+    except BaseException:  # the second could not start (a missing venv): do not leave the first running alone
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
+        raise
     finally:
         for end in ends:  # each child holds its own end: a child that exits closes its end for the other
             end.close()

@@ -105,3 +105,23 @@ def test_paired_ratios_compare_steps_of_the_same_index(run):
     peer = [process([9.0, 3.0, 4.0]), process([9.0, 2.0])]
     assert run.paired_ratios(agentrl, peer) == [1.5, 1.0, 2.0]
     assert run.paired([1.5, 1.0, 2.0]) == "x1.50 (1.00-2.00)" and run.paired([]) == "-"
+
+
+def test_in_lockstep_a_process_that_cannot_start_stops_the_other(run, tmp_path, monkeypatch):
+    import os
+    import subprocess
+
+    started = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    script = tmp_path / "stepper.py"
+    script.write_text(STEPPER.format(peers=str(PEERS)))
+    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_PEERS_LOCKSTEP"}
+    with pytest.raises(FileNotFoundError):  # e.g. a peer venv that setup.sh did not make
+        run.lockstep([([sys.executable, str(script), "A", "50"], env), ([str(tmp_path / "no-python"), "B"], env)])
+    assert len(started) == 1 and started[0].returncode == -9  # killed, not left running its 50 steps alone
