@@ -75,12 +75,19 @@ print("PEER-RESULT {{}}", flush=True)
 """
 
 
-def test_lockstep_processes_take_turns_and_never_overlap(run, tmp_path):
+@pytest.fixture
+def stepper(tmp_path):
+    """A script that runs N busy 50 ms "steps" under common.StepClock, printing each one's start and end, and the
+    environment to run it in (without a lockstep variable of its own)."""
     import os
 
     script = tmp_path / "stepper.py"
     script.write_text(STEPPER.format(peers=str(PEERS)))
-    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_PEERS_LOCKSTEP"}
+    return script, {k: v for k, v in os.environ.items() if k != "AGENTRL_PEERS_LOCKSTEP"}
+
+
+def test_lockstep_processes_take_turns_and_never_overlap(run, stepper):
+    script, env = stepper
     done = run.lockstep([([sys.executable, str(script), "A", "4"], env), ([sys.executable, str(script), "B", "4"], env)])
     assert [code for code, _, _ in done] == [0, 0], done
     steps = sorted((float(t0), float(t1), who) for _, out, _ in done for who, t0, t1 in
@@ -89,12 +96,8 @@ def test_lockstep_processes_take_turns_and_never_overlap(run, tmp_path):
     assert all(prev[1] <= nxt[0] for prev, nxt in zip(steps, steps[1:]))  # one at a time
 
 
-def test_in_lockstep_a_process_goes_on_alone_when_the_other_exits(run, tmp_path):
-    import os
-
-    script = tmp_path / "stepper.py"
-    script.write_text(STEPPER.format(peers=str(PEERS)))
-    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_PEERS_LOCKSTEP"}
+def test_in_lockstep_a_process_goes_on_alone_when_the_other_exits(run, stepper):
+    script, env = stepper
     done = run.lockstep([([sys.executable, str(script), "A", "1"], env), ([sys.executable, str(script), "B", "3"], env)])
     assert [code for code, _, _ in done] == [0, 0]
     assert sum(line.startswith("B ") for line in done[1][1].splitlines()) == 3  # no hang after A is gone
@@ -107,8 +110,7 @@ def test_paired_ratios_compare_steps_of_the_same_index(run):
     assert run.paired([1.5, 1.0, 2.0]) == "x1.50 (1.00-2.00)" and run.paired([]) == "-"
 
 
-def test_in_lockstep_a_process_that_cannot_start_stops_the_other(run, tmp_path, monkeypatch):
-    import os
+def test_in_lockstep_a_process_that_cannot_start_stops_the_other(run, stepper, tmp_path, monkeypatch):
     import subprocess
 
     started = []
@@ -119,9 +121,7 @@ def test_in_lockstep_a_process_that_cannot_start_stops_the_other(run, tmp_path, 
             started.append(self)
 
     monkeypatch.setattr(subprocess, "Popen", Recorded)
-    script = tmp_path / "stepper.py"
-    script.write_text(STEPPER.format(peers=str(PEERS)))
-    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_PEERS_LOCKSTEP"}
+    script, env = stepper
     with pytest.raises(FileNotFoundError):  # e.g. a peer venv that setup.sh did not make
         run.lockstep([([sys.executable, str(script), "A", "50"], env), ([str(tmp_path / "no-python"), "B"], env)])
     assert len(started) == 1 and started[0].returncode == -9  # killed, not left running its 50 steps alone
