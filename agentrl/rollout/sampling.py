@@ -62,14 +62,15 @@ def index_logits_to_keep(model: torch.nn.Module, device) -> bool:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if base not in _INDEX_KEEP_OK:  # the signature too is read once per model: this runs on every fast forward
         ok = keeps_logits(model)
-        with torch.no_grad(), torch.autocast(torch.device(device).type, enabled=False):
-            try:
-                one = torch.zeros((1, 2), dtype=torch.long, device=device)
-                out = ok and base(input_ids=one, attention_mask=torch.ones_like(one),
-                                  logits_to_keep=torch.tensor([1], dtype=torch.long, device=device))
-                ok = ok and tuple(out.logits.shape[:2]) == (1, 1)
-            except Exception:  # noqa: BLE001 - any failure means: use the int form
-                ok = False
+        if ok:
+            one = torch.zeros((1, 2), dtype=torch.long, device=device)
+            with torch.no_grad(), torch.autocast(torch.device(device).type, enabled=False):
+                try:
+                    out = base(input_ids=one, attention_mask=torch.ones_like(one),
+                               logits_to_keep=torch.tensor([1], dtype=torch.long, device=device))
+                    ok = tuple(out.logits.shape[:2]) == (1, 1)
+                except Exception:  # noqa: BLE001 - any failure means: use the int form
+                    ok = False
         _INDEX_KEEP_OK[base] = ok
     return _INDEX_KEEP_OK[base]
 

@@ -44,6 +44,8 @@ def base_model(model: str) -> str:
 def model_label(model: str) -> str:
     """"26m-v151936" -> "Llama 26 M body, vocabulary 151,936"."""
     return MODELS.get(model) or f"{MODELS['26m']} body, vocabulary {int(model.split('-v')[1]):,}"
+
+
 # (untimed warm-up steps, timed steps) per process. A 26 M step's time moves by 10-30% from one step to the next on
 # this shared 2-core machine (one GRPO process measured 5.6-6.2 s, the next 7.0-8.1 s on the same work), so the
 # 26 M rows time 2-5 steps a process after one warm-up; a 26 M PPO step is ~25 CPU seconds.
