@@ -20,12 +20,14 @@ chat template unless `tool_parser=` says otherwise):
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import json
+import math
+import queue
 import random
 import re
 import string
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -196,16 +198,47 @@ def validate_arguments(schema: dict, arguments: dict) -> str | None:
     return None
 
 
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None  # shared: environments are created per episode
+class _ToolThreads:
+    """Daemon threads that run tool calls, one call per thread at a time, reused once a call returns.
+
+    Python cannot kill a thread, so a call that overruns its timeout keeps its thread and is abandoned: the
+    next call takes another idle thread or starts a new one, and hung calls never starve later ones (a fixed
+    pool would, once every worker hangs). Daemon threads, unlike concurrent.futures' workers (joined at
+    exit), never keep the process alive after the run ends or on SIGTERM/SIGINT, whatever a tool is doing.
+    """
+
+    def __init__(self):
+        self._idle: list[queue.SimpleQueue] = []  # inboxes of threads waiting for a call
+        self._lock = threading.Lock()
+
+    def run(self, fn: Callable, kwargs: dict, timeout: float | None) -> tuple[str, Any]:
+        """("ok", result), ("raised", exception) or ("timeout", None)."""
+        outbox: queue.SimpleQueue = queue.SimpleQueue()
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name="agentrl-tool", daemon=True).start()
+        inbox.put((fn, kwargs, outbox))
+        try:
+            return outbox.get(timeout=timeout)
+        except queue.Empty:
+            return "timeout", None
+
+    def _serve(self, inbox: queue.SimpleQueue) -> None:
+        while True:
+            fn, kwargs, outbox = inbox.get()
+            try:
+                outcome = ("ok", fn(**kwargs))
+            except BaseException as e:  # noqa: BLE001 - SystemExit/KeyboardInterrupt too: a failed call, not the run's end
+                outcome = ("raised", e)
+            outbox.put(outcome)  # after a timeout nobody reads it; the thread is free again all the same
+            del fn, kwargs, outbox, outcome
+            with self._lock:
+                self._idle.append(inbox)
 
 
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None:
-        # As many workers as the rollout steps environments at once (engine.STEP_WORKERS), so a call's timeout
-        # never counts time spent queued behind other episodes' calls.
-        _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="agentrl-tool")
-    return _POOL
+_THREADS = _ToolThreads()  # shared: environments are created per episode
 
 
 @functools.lru_cache(maxsize=256)
@@ -217,6 +250,11 @@ class ToolRunner:
     """Dispatches validated calls to the functions with a per-call timeout and an observation size limit."""
 
     def __init__(self, tools: list[Callable], timeout: float = 5.0, max_observation_chars: int = 500):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < math.inf):
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        if isinstance(max_observation_chars, bool) or not isinstance(max_observation_chars, int) \
+                or max_observation_chars < 1:
+            raise ValueError(f"max_observation_chars must be an integer >= 1, got {max_observation_chars!r}")
         self.functions = {fn.__name__: fn for fn in tools}
         self.schemas = {fn.__name__: _cached_schema(fn) for fn in tools}
         self.timeout, self.max_chars = timeout, max_observation_chars
@@ -228,15 +266,16 @@ class ToolRunner:
         problem = validate_arguments(self.schemas[call.name], call.arguments)
         if problem:
             return f"Error: {call.name}: {problem}", False
-        future = _pool().submit(self.functions[call.name], **call.arguments)
-        try:
-            result = future.result(timeout=self.timeout)
-        except concurrent.futures.TimeoutError:
-            # A Python thread cannot be killed; the call is abandoned and its result ignored.
+        status, result = _THREADS.run(self.functions[call.name], call.arguments, self.timeout)
+        if status == "timeout":  # abandoned: its thread finishes (or not) on its own, its result is ignored
             return f"Error: {call.name} timed out after {self.timeout:g} s", False
-        except Exception as e:  # noqa: BLE001 - a tool's failure is the model's observation
-            return f"Error: {call.name} raised {type(e).__name__}: {e}"[: self.max_chars], False
-        text = result if isinstance(result, str) else json.dumps(result, default=str)
+        if status == "raised":  # a tool's failure is the model's observation
+            return f"Error: {call.name} raised {type(result).__name__}: {result}"[: self.max_chars], False
+        try:
+            text = result if isinstance(result, str) else json.dumps(result, default=str)
+        except (TypeError, ValueError) as e:  # e.g. a dict with non-string keys of mixed types, a cycle
+            return f"Error: {call.name} returned a {type(result).__name__} that is not JSON ({e})"[: self.max_chars], \
+                False
         if len(text) > self.max_chars:
             text = text[: self.max_chars] + " ...[truncated]"
         return text, True
