@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from agentrl.distributed import broadcast_from_main, is_main_process, wait_for_everyone
+from agentrl.errors import SignalExit
 
 
 def save_atomically(out_dir: str | Path, write: Callable[[str], object]) -> None:
@@ -410,7 +411,7 @@ class Checkpointer:
             if self.in_loop and self.every:
                 self.signal = signum
             else:
-                raise SystemExit(128 + signum)
+                raise SignalExit(128 + signum)
 
         try:
             previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -35,9 +35,12 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
+
+from agentrl.errors import EnvironmentContractError, SignalExit
 
 Segments = list[tuple[str, bool]]  # (text, trainable) pieces of one demonstration
 
@@ -105,8 +108,84 @@ def load_tasks(spec: str, n: int, seed: int, split: str) -> list[dict]:
 def make_env(spec: str | type, kwargs: dict | None = None) -> Environment:
     """Instantiate an environment from a class or a `"module:Class"` spec and check it has the protocol."""
     cls = load_object(spec) if isinstance(spec, str) else spec
-    env = cls(**(kwargs or {}))
+    env = _user_call(cls, f"{getattr(cls, '__name__', cls)}(**{kwargs or {}})", **(kwargs or {}))
     missing = [name for name in ("reset", "step", "stop_patterns", "max_turns") if not hasattr(env, name)]
     if missing:
         raise TypeError(f"environment {spec!r} lacks {', '.join(missing)} (see agentrl.envs.base)")
+    check_attributes(env)
     return env
+
+
+# --- the protocol, checked where the rollout calls it: a broken environment is one line naming the class, the
+# method and what it returned, not a traceback from deep inside the engine -----------------------------------
+
+def _shown(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"[:120]
+
+
+def _user_call(fn: Callable, where: str, *args, **kwargs) -> Any:
+    """fn(*args, **kwargs); what the user's code raises (sys.exit included) becomes an EnvironmentContractError
+    naming `where`. Our own errors (agentrl's exception classes, a stop signal) pass through: they say where."""
+    try:
+        return fn(*args, **kwargs)
+    except SignalExit:
+        raise
+    except (Exception, SystemExit) as e:
+        if type(e).__module__.startswith("agentrl."):
+            raise
+        raise EnvironmentContractError(f"{where} raised {type(e).__name__}: {e}"[:500]) from e
+
+
+def check_attributes(env) -> None:
+    """max_turns a positive integer, stop_patterns a sequence of regexes."""
+    name, turns, stops = type(env).__name__, env.max_turns, env.stop_patterns
+    if isinstance(turns, bool) or not isinstance(turns, int) or turns < 1:
+        raise EnvironmentContractError(f"{name}.max_turns must be an integer >= 1, got {_shown(turns)}")
+    if isinstance(stops, str) or not isinstance(stops, (tuple, list)) or not all(isinstance(p, str) for p in stops):
+        raise EnvironmentContractError(f"{name}.stop_patterns must be a tuple of regex strings, got {_shown(stops)}")
+    for pattern in stops:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise EnvironmentContractError(f"{name}.stop_patterns: {pattern!r} is not a regex ({e})") from None
+
+
+def checked_reset(env, task: dict) -> str:
+    """env.reset(task), which must return the prompt text."""
+    prompt = _user_call(env.reset, f"{type(env).__name__}.reset", task)
+    if not isinstance(prompt, str):
+        raise EnvironmentContractError(f"{type(env).__name__}.reset must return the prompt (a str), "
+                                       f"returned {_shown(prompt)}")
+    return prompt
+
+
+def checked_step(env, action: str) -> StepResult:
+    """env.step(action), which must return a StepResult (or an object with its four fields)."""
+    result = _user_call(env.step, f"{type(env).__name__}.step", action)
+    problem = None
+    if not all(hasattr(result, name) for name in ("observation", "reward", "done", "info")):
+        problem = f"returned {_shown(result)}"
+    elif result.observation is not None and not isinstance(result.observation, str):
+        problem = f"its observation is {_shown(result.observation)} (a str, or None)"
+    elif not _is_number(result.reward):
+        problem = f"its reward is {_shown(result.reward)} (a number)"
+    elif result.done is None or isinstance(result.done, (str, bytes)):
+        problem = f"its done is {_shown(result.done)} (True or False)"
+    elif not isinstance(result.info, dict):
+        problem = f"its info is {_shown(result.info)} (a dict)"
+    if problem:
+        raise EnvironmentContractError(f"{type(env).__name__}.step must return StepResult(observation, reward, done, "
+                                       f"info); {problem}")
+    return result
+
+
+def _is_number(x: Any) -> bool:
+    """int, float, numpy and 0-d torch numbers; not str, bytes, None or containers. NaN is a number (the trainers
+    count non-finite steps)."""
+    if x is None or isinstance(x, (str, bytes, list, tuple, dict)):
+        return False
+    try:
+        float(x)
+    except (TypeError, ValueError):
+        return False
+    return True

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from agentrl.envs.base import Environment
+from agentrl.envs.base import Environment, check_attributes, checked_reset, checked_step
 from agentrl.rollout.sampling import KVState, Sample, SamplingParams, sample_batch
 
 STEP_WORKERS = 16  # threads stepping environments that allow it (concurrent_steps)
@@ -90,13 +90,15 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
     for env in envs:
         if hasattr(env, "bind_tokenizer"):  # environments that render through the tokenizer (chat format)
             env.bind_tokenizer(tokenizer)
+    if envs:  # a factory of the user's own may not go through make_env, which checks this too
+        check_attributes(envs[0])
     eos_ends = getattr(envs[0], "eos_ends_episode", True) if envs else True
     # Chat environments must see the turn-end marker they sampled (a special token) to append the next
     # segment exactly after it; every other environment gets plain text.
     skip_special = not getattr(envs[0], "keep_special_tokens", False) if envs else True
     episodes = []
     for env, task in zip(envs, tasks):
-        prompt = env.reset(task)
+        prompt = checked_reset(env, task)
         episodes.append(Episode(task=task, prompt_ids=encode_prompt(tokenizer, prompt),
                                 values=[] if value_head is not None else None))
     max_turns = envs[0].max_turns if envs else 0
@@ -155,8 +157,8 @@ def _step_all(envs: list, actions: list[str]) -> list:
     batch's tool calls overlap instead of running one after the other; results keep their order."""
     if len(envs) > 1 and getattr(envs[0], "concurrent_steps", False):
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(STEP_WORKERS, len(envs))) as pool:
-            return list(pool.map(lambda env, action: env.step(action), envs, actions))
-    return [env.step(action) for env, action in zip(envs, actions)]
+            return list(pool.map(checked_step, envs, actions))
+    return [checked_step(env, action) for env, action in zip(envs, actions)]
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
