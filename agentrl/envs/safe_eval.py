@@ -34,6 +34,8 @@ class CalculatorError(ValueError):
 
 
 def _check(value: int | float) -> int | float:
+    if not isinstance(value, (int, float)):  # (-8) ** (1/3) is complex in Python; a real calculator refuses it
+        raise CalculatorError("result is not a real number")
     if isinstance(value, float) and not math.isfinite(value):
         raise CalculatorError("result is not finite")
     if abs(value) > MAX_MAGNITUDE:
