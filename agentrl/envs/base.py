@@ -84,8 +84,10 @@ def load_object(spec: str) -> Any:
         module_name, _, attr = spec.rpartition(".")
     if not module_name or not attr:
         raise ValueError(f"cannot load {spec!r}: expected 'package.module:ClassName'")
-    if os.getcwd() not in sys.path:  # so `agentrl ... env.name=my_env:MyEnv` finds ./my_env.py, as python -m would
-        sys.path.insert(0, os.getcwd())
+    # So `agentrl ... env.name=my_env:MyEnv` finds ./my_env.py; appended, not put first, so that a file in the
+    # working directory named like an installed package (peft.py, datasets.py) never shadows the package.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
