@@ -161,9 +161,15 @@ def esc(x) -> str:
 
 
 def _fmt(x, nd: int = 3) -> str:
+    """A number to `nd` decimals; anything else as escaped text."""
     if isinstance(x, bool) or x is None:
         return str(x)
-    return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+    return f"{x:.{nd}f}" if isinstance(x, float) else esc(x)
+
+
+def _number(x) -> float | None:
+    """x when it is a real number (samples.jsonl is read as found: a hand-edited or foreign file may hold text)."""
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
 def _first_last(metrics: list[dict], key: str) -> tuple[float | None, float | None]:
@@ -186,7 +192,7 @@ def summary_html(runs: list[dict]) -> str:
                  ("format errors, sampled", "before_sampled", "after_sampled", "format_error_rate")]
         parts.append('<div class="cards">')
         for label, b, a, key in cards:
-            x, y = s[b].get(key), s[a].get(key)
+            x, y = _number(s[b].get(key)), _number(s[a].get(key))
             if x is None or y is None:
                 continue
             good = (y > x) if key != "format_error_rate" else (y < x)
@@ -254,19 +260,22 @@ def tokens_html(ep: dict) -> str:
     out, prompt = [], []
     for j in range(n):
         role = ep["roles"][j]
-        lp, tlp, ref, adv, val = (cols[k][j] for k in cols)
+        lp, tlp, ref, adv, val = (_number(cols[k][j]) for k in cols)
         tip = [f"token {ep['token_ids'][j]} · {role}"]
         for label, v in (("logprob", lp), ("trainer logprob", tlp), ("ref logprob", ref), ("advantage", adv),
                          ("value", val)):
             if v is not None:
-                tip.append(f"{label} {v:+.3f}" + (f" (p={math.exp(v):.2f})" if label == "logprob" else ""))
+                tip.append(f"{label} {v:+.3f}" + (f" (p={math.exp(min(v, 0.0)):.2f})" if label == "logprob" else ""))
         data = _num_attr("lp", lp) + _num_attr("adv", adv)
         if lp is not None and tlp is not None:
             data += _num_attr("mm", abs(lp - tlp))
-        span = f'<span class="tok {role}" title="{esc(" · ".join(tip))}"{data}>{esc(ep["pieces"][j])}</span>'
+        # Every value from samples.jsonl is escaped, attributes included: the file may come from anyone.
+        span = f'<span class="tok {esc(role)}" title="{esc(" · ".join(tip))}"{data}>{esc(ep["pieces"][j])}</span>'
         (prompt if role == "prompt" else out).append(span)
         if j in ends:
-            out.append(f'<span class="rw" title="reward of this turn">reward {ends[j]:+.2f}</span>')
+            reward = _number(ends[j])
+            out.append(f'<span class="rw" title="reward of this turn">reward '
+                       f'{f"{reward:+.2f}" if reward is not None else esc(ends[j])}</span>')
     return f'<span class="promptblock">{"".join(prompt)}</span>{"".join(out)}'
 
 
@@ -274,8 +283,9 @@ def episode_html(ep: dict, label: str = "") -> str:
     info = ep.get("info") or {}
     ok = bool(ep.get("correct"))
     badge = '<span class="badge ok">correct</span>' if ok else '<span class="badge bad">incorrect</span>'
-    facts = [f"score {ep.get('score', 0):+.2f}", f"turns {len(ep.get('turn_ends', []))}",
-             f"tool calls {info.get('tool_calls', 0)}"]
+    score = _number(ep.get("score", 0))
+    facts = [f"score {score:+.2f}" if score is not None else f"score {esc(ep.get('score'))}",
+             f"turns {len(ep.get('turn_ends', []))}", f"tool calls {esc(info.get('tool_calls', 0))}"]
     if ep.get("truncated"):
         facts.append("truncated")
     return (f'<div class="epbody"><div class="ephead">{badge} {esc(label)} <span class="facts2">{" · ".join(facts)}</span></div>'
@@ -291,7 +301,7 @@ def samples_html(samples: list[dict]) -> str:
         step = s.get("step", 0)
         if kind == "episode":
             body = episode_html(s, f"step {step} · episode {s.get('index', '')} ({s.get('source', '')})")
-            correct, tool = s.get("correct"), (s.get("info") or {}).get("tool_calls", 0) > 0
+            correct, tool = s.get("correct"), (_number((s.get("info") or {}).get("tool_calls")) or 0) > 0
         else:
             a, b = ("chosen", "rejected") if kind == "pair" else ("a", "b")
             what = f"round {step} · pair {s.get('index', '')}" if kind == "pair" else f"task {s.get('index', '')}"
@@ -300,7 +310,7 @@ def samples_html(samples: list[dict]) -> str:
                 f'<div class="side"><div class="sidename">{esc(s.get(f"name_{x}", x))}</div>{episode_html(s[x])}</div>'
                 for x in (a, b)) + "</div>"
             correct = s[a].get("correct")
-            tool = any((s[x].get("info") or {}).get("tool_calls", 0) > 0 for x in (a, b))
+            tool = any((_number((s[x].get("info") or {}).get("tool_calls")) or 0) > 0 for x in (a, b))
         cards.append(f'<div class="ep" id="ep{k}" data-kind="{esc(kind)}" data-step="{esc(step)}" '
                      f'data-correct="{int(bool(correct))}" data-tool="{int(bool(tool))}">{body}</div>')
     return "\n".join(cards)
@@ -397,11 +407,16 @@ def _options(values, labels=None) -> str:
     return "".join(f'<option value="{esc(v)}">{esc(lab)}</option>' for v, lab in zip(values, labels))
 
 
+def _numbers_first(x) -> tuple:
+    """Sort key: numbers in order, then anything else (a foreign samples.jsonl) by its text."""
+    return (0, _number(x), "") if _number(x) is not None else (1, 0.0, str(x))
+
+
 def browser_html(samples: list[dict]) -> str:
     if not samples:
         return '<p class="hint">No samples.jsonl in this run (sample_every / samples_per_step were off).</p>'
-    steps = sorted({s.get("step", 0) for s in samples})
-    kinds = sorted({s.get("kind", "episode") for s in samples})
+    steps = sorted({s.get("step", 0) for s in samples}, key=_numbers_first)
+    kinds = sorted({s.get("kind", "episode") for s in samples}, key=_numbers_first)
     n_bad = sum(1 for s in samples if not s.get("correct", (s.get("chosen") or s.get("a") or {}).get("correct")))
     has = {k: any(s.get(k) for s in samples if s.get("kind") == "episode") for k in ("advantages", "trainer_logprobs")}
     colour_opts = [("role", "who wrote it"), ("lp", "sampling logprob")]
