@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -62,12 +63,29 @@ def write_text_atomically(path: str | Path, text: str) -> None:
     tmp.replace(path)
 
 
+def finite_or_none(obj: Any) -> Any:
+    """`obj` with every NaN/Infinity float (at any depth) replaced by None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
+def strict_json(obj: Any, **kwargs) -> str:
+    """json.dumps that writes null for a non-finite float: JSON has no NaN or Infinity, and strict parsers
+    (JSON.parse, jq, Go, Rust) reject the `NaN` Python writes by default. allow_nan=False catches any left."""
+    return json.dumps(finite_or_none(obj), allow_nan=False, **kwargs)
+
+
 def write_json(path: str | Path, data: dict) -> None:
-    write_text_atomically(path, json.dumps(data, indent=2) + "\n")
+    write_text_atomically(path, strict_json(data, indent=2) + "\n")
 
 
 def write_jsonl(path: str | Path, rows: list[dict]) -> None:
-    write_text_atomically(path, "".join(json.dumps(r) + "\n" for r in rows))
+    write_text_atomically(path, "".join(strict_json(r) + "\n" for r in rows))
 
 
 FORMAT = 1

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from agentrl.checkpoint import strict_json
 from agentrl.rollout.engine import Episode
 
 ROLES = ("prompt", "policy", "observation")
@@ -123,7 +124,7 @@ class SamplesLog:
     def _append(self, rows: list[dict]) -> None:
         with self.path.open("a") as f:
             for row in rows:
-                f.write(json.dumps(row, default=str) + "\n")
+                f.write(strict_json(row, default=str) + "\n")
 
     @torch.no_grad()
     def write(self, step: int, episodes: list[Episode], tensors: dict | None = None) -> None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import json
-import math
 import random
 import weakref
 from dataclasses import dataclass
@@ -13,6 +11,7 @@ from pathlib import Path
 import torch
 
 from agentrl.algos.losses import entropy_from_logits
+from agentrl.checkpoint import strict_json
 from agentrl.distributed import (all_finite, gathered_for_generation, global_logprob_mismatch,  # noqa: F401
                                  global_masked_moments, global_token_scale, make_accelerator, mean_over_processes,
                                  sum_over_processes)
@@ -642,9 +641,8 @@ class MetricsLog:
         if self.accelerator is not None and self.accelerator.trackers:
             self.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
         if self.path:
-            clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in row.items()}
-            with self.path.open("a") as f:
-                f.write(json.dumps(clean if step is None else {"step": step, **clean}) + "\n")
+            with self.path.open("a") as f:  # strict JSON: a non-finite number is written as null
+                f.write(strict_json(row if step is None else {"step": step, **row}) + "\n")
 
 
 class TaskCycler:
