@@ -96,8 +96,9 @@ def tokenize_row(row: dict, tokenizer, where: str, max_length: int, max_prompt_l
     if isinstance(prompt, list):
         prompt_messages = prompt
         if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True,
-                                                 **(template_kwargs or {}))
+            from agentrl.envs.chat import render
+
+            text = render(tokenizer, prompt, tools, True, template_kwargs)  # as the rollout renders it
             prompt_ids = encode_prompt(tokenizer, text)  # the ids the rollout engine gives the same prompt
         else:
             prompt_ids = tokenizer("".join(m.get("content", "") for m in prompt))["input_ids"]

@@ -6,6 +6,8 @@ from agentrl.envs.calculator import (CALCULATOR_CORPUS, CHAT_CORPUS, MULTISTEP_C
                                      multistep_demonstration, multistep_tasks)
 from agentrl.envs.safe_eval import CalculatorError, safe_eval
 from agentrl.envs.search import SEARCH_CORPUS, SearchEnv, search_tasks
+from agentrl.envs.word_problems import (WordProblemEnv, word_problem_demonstration, word_problem_tasks,
+                                        word_problem_tool_demonstration)
 from agentrl.envs.tools import (TOOL_PARSERS, ToolEnv, detect_tool_parser, parse_hermes_tool_calls,
                                 parse_llama3_json_tool_calls, parse_mistral_tool_calls, tool_schema)
 
@@ -40,4 +42,8 @@ __all__ = [
     "safe_eval",
     "search_tasks",
     "tool_schema",
+    "WordProblemEnv",
+    "word_problem_demonstration",
+    "word_problem_tasks",
+    "word_problem_tool_demonstration",
 ]

@@ -20,6 +20,8 @@ from __future__ import annotations
 import copy
 import json
 import re
+import warnings
+from dataclasses import dataclass
 
 _MARK = "AGENTRL_TURN_MARK"
 _MARK_END = "AGENTRL_CONTENT_END"
@@ -33,9 +35,94 @@ class TemplateDriftError(ValueError):
 
 def render(tokenizer, messages: list[dict], tools: list[dict] | None, generation_prompt: bool,
            template_kwargs: dict | None = None) -> str:
-    """The template's text for `messages` (transformers' renderer: trim_blocks, its own tojson)."""
+    """The template's text for `messages` (transformers' renderer: trim_blocks, its own tojson).
+
+    For a template that drops `tools=` or assistant `tool_calls` (SmolLM2's, most base models'), the tools and
+    calls are written as text first (`tools_as_text`), so rollouts, SFT rows and DPO rows all carry them."""
+    if tools or any(m.get("tool_calls") for m in messages):
+        support = template_tool_support(tokenizer, template_kwargs)
+        if not (support.tools and support.calls):
+            messages, tools = tools_as_text(messages, tools, support)
     return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                          add_generation_prompt=generation_prompt, **(template_kwargs or {}))
+
+
+# --- templates that do not render tools --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ToolSupport:
+    tools: bool  # the template renders `tools=` (schemas appear in the prompt)
+    calls: bool  # it renders an assistant message's structured `tool_calls`
+
+
+_SUPPORT: dict[tuple, ToolSupport] = {}
+_PROBE_TOOL = {"type": "function", "function": {"name": "agentrl_probe_tool", "description": "probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+
+
+def template_tool_support(tokenizer, template_kwargs: dict | None = None) -> ToolSupport:
+    """Whether the chat template renders tool schemas and tool calls: render once with and once without a
+    probe tool (and a probe call), and look for it. Cached per template; warns once when either is dropped."""
+    key = (str(getattr(tokenizer, "chat_template", None)), repr(sorted((template_kwargs or {}).items())))
+    if key in _SUPPORT:
+        return _SUPPORT[key]
+    kwargs = template_kwargs or {}
+
+    def text(messages, tools=None):
+        try:
+            return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=False,
+                                                 **kwargs)
+        except Exception:  # noqa: BLE001 - a template that refuses the probe is left to render as it does
+            return None
+
+    user = [{"role": "user", "content": "What is 2 + 2?"}]
+    with_tools = text(user, [_PROBE_TOOL])
+    tools = with_tools is None or "agentrl_probe_tool" in with_tools
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "a1B2c3D4e", "type": "function", "function": {"name": "agentrl_probe_call", "arguments": {}}}]}
+    with_call = text(user + [call], [_PROBE_TOOL] if tools else None)
+    calls = with_call is None or "agentrl_probe_call" in with_call
+    _SUPPORT[key] = support = ToolSupport(tools, calls)
+    if not (tools and calls):
+        dropped = " and ".join(w for w, ok in (("tools=", tools), ("assistant tool_calls", calls)) if not ok)
+        warnings.warn(f"{_template_name(tokenizer)} renders no {dropped}: agentrl writes "
+                      f"{'the tool schemas and the Hermes call format into the system message and ' if not tools else ''}"
+                      f"tool calls as <tool_call> JSON text in the assistant turn, the form the rollout parses",
+                      stacklevel=3)
+    return support
+
+
+def tool_call_text(calls: list[dict]) -> str:
+    """Structured tool calls as the Hermes text a model writes: `<tool_call>\n{"name", "arguments"}\n</tool_call>`."""
+    return "\n".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                                    "arguments": c["function"].get("arguments", {})})
+                     + "\n</tool_call>" for c in calls)
+
+
+def tools_system_text(tools: list[dict]) -> str:
+    """The tool schemas and the Hermes call format, for a system message (compact: one JSON line a tool)."""
+    schemas = "\n".join(json.dumps(t.get("function", t)) for t in tools)
+    return ("You can call these tools:\n<tools>\n" + schemas + "\n</tools>\nTo call a tool, write:\n<tool_call>\n"
+            '{"name": <tool name>, "arguments": <arguments as a JSON object>}\n</tool_call>')
+
+
+def tools_as_text(messages: list[dict], tools: list[dict] | None, support: ToolSupport) -> tuple[list[dict], list | None]:
+    """(messages, tools) for a template that drops tools or calls: the schemas go into the system message
+    (first, before any system text of the conversation), each assistant turn's calls become its text."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls") and not support.calls:
+            content, calls = m.get("content") or "", tool_call_text(m["tool_calls"])
+            m = {**{k: v for k, v in m.items() if k != "tool_calls"}, "content": (content + "\n" if content else "") + calls}
+        out.append(m)
+    if tools and not support.tools:
+        block = tools_system_text(tools)
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": block + "\n\n" + (out[0].get("content") or "")}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+        tools = None
+    return out, tools
 
 
 def _template_name(tokenizer) -> str:

@@ -18,8 +18,8 @@ CONFIG_DIR = Path(__file__).parent.parent / "configs"
 
 @dataclass
 class ModelSection:
-    base: str = "embedded"  # a local model directory, or "embedded": the tiny model of env.demonstrations (if set),
-    # else of the built-in corpus model.builder.corpus
+    base: str = "embedded"  # a local model directory, a GGUF file, a preset ("smollm2-135m", agentrl.models.pretrained),
+    # or "embedded": the tiny model of env.demonstrations (if set), else of the built-in corpus model.builder.corpus
     base_dir: str = "runs/base-model"  # where the embedded model is built and cached (a model of env.demonstrations
     # goes to a sibling directory named by their hash, so no environment ever gets another's model)
     builder: BaseModelConfig = field(default_factory=BaseModelConfig)  # how the embedded model is built
@@ -257,6 +257,10 @@ def prepare_run(model_cfg: ModelSection, env_cfg: EnvSection, rollout_cfg: Rollo
                                   progress and is_main_process())
         if is_main_process():
             wait_for_everyone()
+    else:
+        from agentrl.models.pretrained import resolve_model_dir
+
+        base_dir = resolve_model_dir(base_dir)  # a preset or a GGUF: the converted directory (vLLM reads it too)
     model, tokenizer = load_base(base_dir, model_cfg)
     return Run(base_dir, model, tokenizer, env_factory, eval_tasks, rollout_cfg.max_new_tokens, eval_seed)
 

@@ -45,6 +45,9 @@ def load_policy(model_dir: str, adapter_dir: str | None = None, **load_kwargs):
     load_kwargs go to from_pretrained (dtype, device_map, attn_implementation, quantization_config)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from agentrl.models.pretrained import resolve_model_dir
+
+    model_dir = resolve_model_dir(model_dir)  # a preset name or a GGUF file: its converted directory
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, **load_kwargs)

@@ -45,6 +45,8 @@ class JobConfig:
     resume: str | None = None  # "auto": the latest valid checkpoint in out_dir (fresh if none); or a checkpoint path
     sample_every: int = 10  # write episodes to samples.jsonl at step 1 and every this many steps
     samples_per_step: int = 4  # episodes written per sampled step (0: no samples.jsonl)
+    retention_base: str | None = None  # a model whose greedy answers to 50 general prompts the policy is scored
+    # on before and after training (NLL, KL; jobs/retention.py): what the model knew, kept or forgotten. None: off
 
 
 def trackers_in_run_dir(algo_config, out: Path) -> None:
@@ -89,6 +91,7 @@ def run_job(config: JobConfig) -> dict:
         train_tasks = run.train_tasks(config.env.tasks, config.env.train_tasks, algo_config.seed)
         max_new = config.rollout.max_new_tokens
         before = cached_eval(out, "before", fingerprint, lambda: run.evaluate_both(model, algo_config.temperature))
+        retention = retention_before(config, out, fingerprint, model)
         torch.manual_seed(algo_config.seed)
         model = add_lora(model, config.model)
         trackers_in_run_dir(algo_config, out)
@@ -134,6 +137,7 @@ def run_job(config: JobConfig) -> dict:
         adapter_dir = out / ("adapter" if config.model.lora else "model")
         trainer.save_pretrained(str(adapter_dir))
         after = cached_eval(out, "after", fingerprint, lambda: evaluate_trained(run, trainer, algo_config.temperature))
+        retention = retention_after(retention, out, fingerprint, trainer.policy)
     if not is_main_process():  # every process evaluated its share; the main one writes the summary
         end_processes()
         return None
@@ -149,9 +153,38 @@ def run_job(config: JobConfig) -> dict:
     }
     if vllm_startup is not None:
         summary["vllm_startup_seconds"] = vllm_startup
+    if retention is not None:
+        summary["retention"] = retention
     write_json(out / "summary.json", summary)
     end_processes()
     return summary
+
+
+def retention_before(config, out: Path, fingerprint: dict, model) -> dict | None:
+    """retention_base's answers to the general prompts, scored under the model before training: {"reference",
+    "before", "scorer"} (the scorer measures the trained policy in retention_after). None when off."""
+    if not config.retention_base:
+        return None
+    from agentrl.checkpoint import cached_eval
+    from agentrl.jobs.retention import Retention
+    from agentrl.models.pretrained import resolve_model_dir
+
+    scorer = Retention(resolve_model_dir(config.retention_base), max_new_tokens=config.rollout.max_new_tokens)
+    before = cached_eval(out, "retention-before", fingerprint, lambda: scorer.measure(model))
+    return {"reference": scorer.reference, "before": before, "scorer": scorer}
+
+
+def retention_after(retention: dict | None, out: Path, fingerprint: dict, policy) -> dict | None:
+    """The summary's retention entry: the reference's own scores, the policy's before and after training, and
+    the relative rise of the NLL of the reference's answers from the reference to the trained policy."""
+    if retention is None:
+        return None
+    from agentrl.checkpoint import cached_eval
+
+    scorer = retention.pop("scorer")
+    retention["after"] = after = cached_eval(out, "retention-after", fingerprint, lambda: scorer.measure(policy))
+    retention["nll_rise"] = round(after["nll"] / retention["reference"]["nll"] - 1, 4)
+    return retention
 
 
 def evaluate_trained(run, trainer, temperature: float) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 from agentrl.config import ConfigError, to_dict
 from agentrl.jobs.common import (Run, add_lora, env_demonstrations, environment_factory, load_base, renders_chat,
                                  tasks_of)
-from agentrl.jobs.ppo import JobConfig
+from agentrl.jobs.ppo import JobConfig, retention_after, retention_before
 
 
 def demonstrations_of(config: JobConfig, eval_tasks: list[dict]) -> tuple[object, str]:
@@ -38,12 +38,13 @@ def run_sft_job(config: JobConfig) -> dict:
     """Demonstrations -> SFT -> `out_dir/model` (+ metrics.jsonl, summary.json with held-out metrics)."""
     import torch
 
-    from agentrl.checkpoint import write_json
+    from agentrl.checkpoint import run_config, write_json
     from agentrl.jobs.base_model import META_FILE, build_from_demonstrations
     from agentrl.trainers.sft import SFTTrainer
 
     started = time.time()
     out, sft = Path(config.out_dir), replace(config.sft, progress=config.progress)
+    fingerprint, retention = run_config(to_dict(config)), None
     env_factory = environment_factory(config.env)
     eval_tasks = tasks_of(config.env, config.env.eval_tasks, config.eval_seed, "eval")
     data, name = demonstrations_of(config, eval_tasks)
@@ -56,6 +57,7 @@ def run_sft_job(config: JobConfig) -> dict:
                                         "demo_exact_match", "train_seconds")}
     else:
         model, tokenizer = load_base(config.model.base, config.model)
+        retention = retention_before(config, out, fingerprint, model)
         torch.manual_seed(sft.seed)
         trainer = SFTTrainer(add_lora(model, config.model), sft, data, tokenizer, dataset_name=name)
         train_started = time.time()
@@ -65,11 +67,14 @@ def run_sft_job(config: JobConfig) -> dict:
                    "skipped_rows": trainer.skipped_rows, "truncated_rows": trainer.truncated_rows,
                    "train_seconds": round(time.time() - train_started, 1)}
     model, tokenizer = load_base(str(model_dir))
+    retention = retention_after(retention, out, fingerprint, model)
     run = Run(str(model_dir), model, tokenizer, env_factory, eval_tasks, config.rollout.max_new_tokens, config.eval_seed)
     after = run.evaluate_both(model, config.ppo.temperature)
     summary = {"after": after["greedy"], "after_sampled": after["sampled"], "algo": "sft", "steps": sft.steps,
                **trained, "eval_tasks": len(eval_tasks), "wall_seconds": round(time.time() - started, 1),
                "model_dir": str(model_dir), "config": to_dict(config)}
+    if retention is not None:
+        summary["retention"] = retention
     write_json(out / "summary.json", summary)
     return summary
 

@@ -117,6 +117,7 @@ class PPOConfig:
     tis_clip: float | None = None  # truncated importance sampling (Yao et al. 2025; algos/losses.tis_weights): each
     # token's policy loss times min(pi_trainer / pi_sampler, tis_clip), for a sampler that is not the trainer
     # (rollout.backend: vllm; 2.0 is the paper's C). None: off
+    approx_kl_warning: float | None = 0.5  # warn when one step's approx-KL exceeds this (None: never)
 
     def __post_init__(self):
         if self.tis_clip is not None and self.tis_clip <= 0:
@@ -156,6 +157,17 @@ class PPOConfig:
     def to_dict(self) -> dict[str, Any]:
         """The fields as a flat dict (nested dicts joined with "/"), as TRL 0.11 records them with trackers."""
         return core.flatten_dict(dict(self.__dict__))
+
+
+def warn_if_approx_kl_explodes(approx_kl: float, config: PPOConfig, step: int) -> None:
+    """A warning when one update moved the policy far outside PPO's trust region: a healthy LLM PPO step has
+    an approx-KL of 0.001-0.05 (Huang et al. 2024). A pretrained model given the embedded model's learning
+    rates had 2.98 at its first step and forgot the task by the second, with no other sign in the log."""
+    if config.approx_kl_warning is not None and not approx_kl <= config.approx_kl_warning:
+        warnings.warn(f"PPO step {step}: approx-KL {approx_kl:.3g} between the rollout policy and the updated one "
+                      f"exceeds ppo.approx_kl_warning={config.approx_kl_warning:g}: the update left PPO's trust "
+                      f"region and the policy may collapse; lower ppo.learning_rate (and ppo.norm_learning_rate), or "
+                      f"set ppo.early_stopping=true with ppo.target_kl", stacklevel=2)
 
 
 # Mean |logprob| gap between the sampler and the trainer's first forward above which the sampler's logprobs
@@ -544,6 +556,7 @@ class PPOTrainer:
             batch = episodes_to_batch(episodes, self.tokenizer.pad_token_id, self.config.missing_eos_penalty)
             check_batch(episodes, batch)
             stats = self._update(batch)
+            warn_if_approx_kl_explodes(stats["ppo/policy/approxkl"], self.config, self.current_step)
             stats.update(mean_over_processes(self.accelerator, episode_metrics(episodes)))
             stats["time/rollout"] = rollout_seconds
             if sync_seconds is not None:
