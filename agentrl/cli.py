@@ -19,20 +19,29 @@ def _cmd_base_model(args) -> int:
     return 0
 
 
-def _cmd_ppo(args) -> int:
-    from agentrl.jobs.ppo import load_job, run_job
+def _training_job(args, algo: str):
+    """The job config of `agentrl ppo` / `agentrl grpo`: an `algo` in the file or the overrides that names the
+    other algorithm is an error (it used to win silently over the command, or lose to it)."""
+    from agentrl.config import load_config
+    from agentrl.jobs.common import resolve_config_path
+    from agentrl.jobs.ppo import JobConfig
 
-    config = load_job(args.config, args.overrides)
-    summary = run_job(config)
+    return load_config(JobConfig, resolve_config_path(args.config), args.overrides, command={"algo": algo})
+
+
+def _cmd_ppo(args) -> int:
+    from agentrl.jobs.ppo import run_job
+
+    summary = run_job(_training_job(args, "ppo"))
     if summary is not None:  # several processes: the main one reports
         _print_summary(summary)
     return 0
 
 
 def _cmd_grpo(args) -> int:
-    from agentrl.jobs.ppo import load_job, run_job
+    from agentrl.jobs.ppo import run_job
 
-    summary = run_job(load_job(args.config, ["algo=grpo", *args.overrides]))
+    summary = run_job(_training_job(args, "grpo"))
     if summary is not None:  # several processes: the main one reports
         _print_summary(summary)
     return 0

@@ -1,12 +1,15 @@
 """Typed configs: dataclasses loaded from YAML, with `key.sub=value` overrides from the command line.
 
-An unknown key or a value of the wrong type is an error that names the key (and the nearest valid one).
+An unknown key or a value of the wrong type is an error that names the key (and the nearest valid one); so are
+a key written twice in one YAML mapping, a NaN or infinite number, and a value out of the range its name
+implies (RANGES: a learning rate is a learning rate in every section).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -21,6 +24,44 @@ T = TypeVar("T")
 
 class ConfigError(UserError):
     """A config file or override that does not fit the schema."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key written twice in one mapping (PyYAML silently keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        first_line = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` then overriding a key is not a duplicate
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                if key in first_line:
+                    raise ConfigError(f"line {key_node.start_mark.line + 1}: key {key!r} is written twice (first on "
+                                      f"line {first_line[key]}); YAML would silently keep the last")
+            except TypeError:  # an unhashable key: SafeLoader's own error says so below
+                continue
+            first_line[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def _load_yaml(text: str):
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+# Ranges by field name, checked wherever a config gives the field (not its default). One vocabulary: these
+# names mean the same in every section (ppo, grpo, dpo, sft, rollout, model, reward-model, the job itself).
+# None stays allowed where the field's type allows it ("off" / "same as learning_rate").
+RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
+    **{name: (lambda x: x > 0, "must be > 0") for name in (
+        "learning_rate", "norm_learning_rate", "value_learning_rate", "temperature")},
+    **{name: (lambda x: x >= 1, "must be >= 1") for name in (
+        "max_new_tokens", "keep_checkpoints", "sample_every", "lora_r", "lora_alpha")},
+    **{name: (lambda x: x >= 0, "must be >= 0") for name in (
+        "steps", "top_k", "checkpoint_every", "samples_per_step", "max_nonfinite_steps")},
+    "top_p": (lambda x: 0 < x <= 1, "must be in (0, 1]"),
+    "lora_dropout": (lambda x: 0 <= x < 1, "must be in [0, 1)"),
+}
 
 
 def _nearest(name: str, options: list[str]) -> str:
@@ -70,11 +111,13 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):  # YAML reads .nan / .inf, and float() above "nan" / "inf"
+            raise ConfigError(f"{where}: must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -92,12 +135,17 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
         if key not in fields:
             raise ConfigError(f"unknown config key {prefix + key!r}{_nearest(key, list(fields))}")
         kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}")
+        if key in RANGES and isinstance(kwargs[key], (int, float)) and not isinstance(kwargs[key], bool):
+            within, rule = RANGES[key]
+            if not within(kwargs[key]):
+                raise ConfigError(f"{prefix}{key}: {rule}, got {kwargs[key]!r}")
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
-        raise ConfigError(f"{prefix or cls.__name__}: {e}") from e
+        # __post_init__ messages start with the field's name: "beta: must be > 0" -> "dpo.beta: must be > 0"
+        raise ConfigError(f"{prefix}{e}" if prefix else f"{cls.__name__}: {e}") from e
 
 
 def to_dict(config: Any) -> dict:
@@ -116,24 +164,43 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw) if raw else ""
+        try:
+            node[parts[-1]] = _load_yaml(raw) if raw else ""
+        except ConfigError as e:
+            raise ConfigError(f"override {item!r}: {e}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: not valid YAML ({' '.join(str(e).split())})") from None
     return data
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
-    """Load `cls` from a YAML file (or its defaults when `path` is None) and apply overrides."""
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None,
+                command: dict | None = None) -> T:
+    """Load `cls` from a YAML file (or its defaults when `path` is None) and apply overrides.
+
+    command: top-level keys the command itself sets (`agentrl grpo`: {"algo": "grpo"}); the file or an override
+    giving another value is an error, not silently one or the other.
+    """
     data: dict = {}
     if path is not None:
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = _load_yaml(path.read_text()) or {}
+        except ConfigError as e:  # a duplicate key: "<file>:<line>: key ... is written twice"
+            raise ConfigError(f"{path}:{str(e).removeprefix('line ')}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML ({e})") from e
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of config keys")
     data = apply_overrides(data, overrides or [])
+    for key, value in (command or {}).items():
+        if data.get(key, value) != value:
+            overridden = any(o.startswith(f"{key}=") for o in overrides or [])
+            source = "an override" if overridden else f"{path or 'the config'}"
+            raise ConfigError(f"{key}: {data[key]!r} (from {source}) contradicts the command, which runs {value!r}; "
+                              f"drop {key}, or run `agentrl {data[key]} ...`")
+        data[key] = value
     try:
         return from_dict(cls, data)
     except ConfigError as e:

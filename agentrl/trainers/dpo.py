@@ -69,6 +69,16 @@ class DPOConfig:
     skip_bad_rows: bool = False  # skip (and count) malformed rows instead of raising
     progress: bool = True  # progress bar
 
+    def __post_init__(self):
+        # A comparison with NaN is False, so NaN fails too. A negative beta trains the preferences in reverse; zero
+        # divides (ipo).
+        if not 0 < self.beta < math.inf:
+            raise ValueError(f"beta: must be a finite number > 0, got {self.beta!r}")
+        if not 0 < self.learning_rate < math.inf:
+            raise ValueError(f"learning_rate: must be a finite number > 0, got {self.learning_rate!r}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing: must be in [0, 0.5), got {self.label_smoothing!r}")
+
     @classmethod
     def from_args(cls, args) -> "DPOConfig":
         if args is None:

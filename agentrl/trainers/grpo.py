@@ -9,6 +9,7 @@ returns are *summed* into the episode score, and that one advantage goes to ever
 from __future__ import annotations
 
 import copy
+import math
 import time
 import warnings
 from collections import defaultdict
@@ -69,8 +70,12 @@ class GRPOConfig:
                      "gradient_accumulation_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.temperature < math.inf:  # a comparison with NaN is False: NaN fails too
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature}")
+        if not 0 < self.learning_rate < math.inf:
+            raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate}")
+        if not 0 <= self.beta < math.inf:  # a negative beta would reward drifting away from the reference
+            raise ValueError(f"beta must be a finite number >= 0, got {self.beta}")
         if self.num_generations == 1 and self.advantage != "dr_grpo":
             warnings.warn("num_generations=1: every group has one episode, so every advantage is 0", stacklevel=3)
 
