@@ -16,6 +16,7 @@ loses tuples and integer keys (optimizer states have both) and torch.save would 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
@@ -26,6 +27,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
@@ -34,7 +36,7 @@ import numpy as np
 import torch
 
 from agentrl.distributed import broadcast_from_main, is_main_process, wait_for_everyone
-from agentrl.errors import SignalExit
+from agentrl.errors import SignalExit, UserError
 
 
 def save_atomically(out_dir: str | Path, write: Callable[[str], object]) -> None:
@@ -440,6 +442,7 @@ class Checkpointer:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
+            unlock_run(self.root.parent)  # the job is over: out_dir is free for the next one
 
     @contextmanager
     def loop(self):
@@ -475,12 +478,72 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+LOCK_FILE = ".agentrl.lock"
+_RUN_LOCKS: dict[Path, int] = {}  # out_dir (resolved) -> descriptor of the lock file this process holds
+
+
+def lock_run(out_dir: str | Path) -> None:
+    """Hold out_dir/.agentrl.lock with flock until the job ends (Checkpointer.signals() releases it) or the
+    process does (the kernel releases it, even after kill -9). A second job on the same out_dir would delete
+    the first one's checkpoints and interleave its metrics rows; it stops here instead, naming the holder.
+    Several processes: the main one holds it for the job."""
+    if not is_main_process():
+        return
+    out = Path(out_dir).resolve()
+    if out in _RUN_LOCKS:  # this process runs another job there (the first has ended: jobs run one at a time)
+        return
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except (FileExistsError, NotADirectoryError):
+        raise UserError(f"out_dir={out_dir}: is a file (or under one), not a directory") from None
+    except OSError as e:
+        raise UserError(f"out_dir={out_dir}: cannot write there ({e.strerror})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 300).decode(errors="replace").strip() or "a process that has not written its pid yet"
+        os.close(fd)
+        raise UserError(f"out_dir={out_dir}: another agentrl job is running there ({holder}); wait for it to end, "
+                        f"or give this one another out_dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+    _RUN_LOCKS[out] = fd
+
+
+def unlock_run(out_dir: str | Path) -> None:
+    """Release lock_run's lock (closing the descriptor releases the flock); nothing if this process holds none.
+    The file stays: removing it could race with a process that has just opened it."""
+    fd = _RUN_LOCKS.pop(Path(out_dir).resolve(), None)
+    if fd is not None:
+        os.close(fd)
+
+
 def open_run(out_dir: str | Path, resume: str | None, config: dict) -> dict | None:
-    """The state to resume from (None: a fresh start; without `resume` it clears old checkpoints and stored
-    evaluations).
-    A checkpoint written under a different config is an error naming the keys that differ."""
-    root = Path(out_dir) / "checkpoints"
+    """Lock out_dir for this job (lock_run), then the state to resume from (None: a fresh start; without
+    `resume` it clears old checkpoints and stored evaluations).
+    A checkpoint written under a different config is an error naming the keys that differ; one older than a
+    valid checkpoint of out_dir is an error too, since resuming from it would discard the newer results."""
+    lock_run(out_dir)
+    try:
+        return _state_to_resume(Path(out_dir), resume, config)
+    except BaseException:
+        unlock_run(out_dir)  # no job runs: the next one (in this process or another) may
+        raise
+
+
+def _state_to_resume(out_dir: Path, resume: str | None, config: dict) -> dict | None:
+    root = out_dir / "checkpoints"
     path = resolve_resume(resume, out_dir)
+    if path is not None:
+        step = json.loads((path / MANIFEST).read_text())["step"]
+        newer = [p for s, p in checkpoints(root) if s > step and p.resolve() != path.resolve() and verify(p) is None]
+        if newer:
+            raise UserError(
+                f"resume={resume}: {root} holds newer checkpoints ({', '.join(p.name for p in newer)}); resuming "
+                f"from step {step} would delete them and cut metrics.jsonl and samples.jsonl back to step {step}. "
+                f"Continue from the newest (resume=auto), or delete the newer checkpoints first if discarding them "
+                f"is what you want")
     if path is None:
         if root.exists() and not resume and is_main_process():  # resume=auto without one keeps stored evaluations
             if checkpoints(root):
