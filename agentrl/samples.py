@@ -14,11 +14,13 @@ Numbers are what the trainer already computed in that step; writing them costs n
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
 
 from agentrl.checkpoint import strict_json
+from agentrl.errors import UserError
 from agentrl.rollout.engine import Episode
 
 ROLES = ("prompt", "policy", "observation")
@@ -152,12 +154,27 @@ class SamplesLog:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """Rows of a JSONL run file (samples, metrics, pairs); a bad line is an error naming the file and line."""
+    """Rows of a JSONL run file (samples, metrics, pairs); a bad line is an error naming the file and line.
+
+    A last line cut short (no newline: the job was killed while writing it, or is writing it now) is skipped
+    with a warning: every row before it is whole, since rows are appended one whole line at a time."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (byte {e.start}); is it a JSONL file?") from None
+    lines = text.splitlines()
     rows = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(lines, 1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+                if n == len(lines) and not text.endswith("\n"):
+                    warnings.warn(f"{path}:{n}: skipping a torn last line (the job stopped while writing it)",
+                                  stacklevel=2)
+                    break
+                raise UserError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
     return rows

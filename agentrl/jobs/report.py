@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from agentrl.checkpoint import write_text_atomically
+from agentrl.errors import UserError
 from agentrl.samples import read_jsonl
 
 # Curve panels: (title, [(series label, [metric keys, first present wins])]). A panel is drawn when one of its
@@ -51,14 +52,25 @@ RATE_PANELS = {"Accuracy (training episodes)", "Truncation and format errors"}
 SUMMARY_ROWS = ("accuracy", "tool_call_rate", "mean_score", "format_error_rate", "truncation_rate", "mean_turns")
 
 
+class RunDirError(UserError, FileNotFoundError):
+    """A run directory that is missing or holds nothing to report on (one line from the command line)."""
+
+
 # --- reading a run --------------------------------------------------------------------------------------
 
 def load_run(run_dir: str | Path) -> dict:
     """summary, metric rows (DPO rounds chained into one step axis), samples and compare results of a run."""
     run = Path(run_dir)
     if not run.is_dir():
-        raise FileNotFoundError(f"{run}: no such run directory")
-    summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
+        raise RunDirError(f"{run}: no such run directory")
+    summary = {}
+    if (run / "summary.json").exists():
+        try:
+            summary = json.loads((run / "summary.json").read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise UserError(f"{run / 'summary.json'}: not valid JSON ({e})") from None
+        if not isinstance(summary, dict):
+            raise UserError(f"{run / 'summary.json'}: expected a JSON object, got {type(summary).__name__}")
     metrics = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
     offset = 0
     for path in sorted(run.glob("metrics-round*.jsonl"), key=lambda p: int(p.stem.removeprefix("metrics-round"))):
@@ -69,7 +81,8 @@ def load_run(run_dir: str | Path) -> dict:
     samples = read_jsonl(run / "samples.jsonl") if (run / "samples.jsonl").exists() else []
     _add_mismatch(metrics, samples)
     if not (summary or metrics or samples):
-        raise FileNotFoundError(f"{run}: no summary.json, metrics.jsonl or samples.jsonl to report on")
+        raise RunDirError(f"{run}: no summary.json, metrics.jsonl or samples.jsonl to report on (is it the "
+                          f"out_dir of a ppo, grpo or dpo job?)")
     return {"dir": run, "name": run.name, "summary": summary, "metrics": metrics, "samples": samples}
 
 

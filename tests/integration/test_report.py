@@ -212,8 +212,8 @@ def test_compare_two_runs_overlays_their_curves(ppo_run, tmp_path, capsys):
     page = Page()
     page.feed(out.read_text())
     assert any(a.get("alt") == "Accuracy (training episodes)" for t, a in page.tags if t == "img")
-    with pytest.raises(FileNotFoundError, match="no such run directory"):
-        main(["report", str(tmp_path / "missing")])
+    assert main(["report", str(tmp_path / "missing")]) == 2  # one line, not a traceback
+    assert capsys.readouterr().err.endswith(f"agentrl: error: {tmp_path / 'missing'}: no such run directory\n")
 
 
 def test_token_pieces_concatenate_across_multibyte_characters(tiny_base):

@@ -4,6 +4,8 @@ inject markup or script into report.html, and text where a number belongs does n
 import json
 from html.parser import HTMLParser
 
+import pytest
+
 from agentrl.jobs.report import write_report
 
 PAYLOAD = '"><img src=x onerror=alert(1)>'
@@ -55,3 +57,27 @@ def test_nothing_from_the_run_directory_reaches_the_page_unescaped(tmp_path):
     assert {value for tag, name, value in tags.values if name == "class" and tag == "span"} >= {
         "tok prompt", 'tok policy" onmouseover="alert(1)'}  # a foreign role stays inside its attribute
     assert "&quot;&gt;&lt;img src=x onerror=alert(1)&gt;" in page  # the text is shown, escaped
+
+
+def test_a_torn_last_line_is_skipped_and_bad_run_dirs_are_one_line(tmp_path, capsys):
+    from agentrl.cli import main
+
+    run = tmp_path / "torn"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "env/mean_score": 0.5}\n{"step": 2, "env/mean_sc')  # killed mid-row
+    with pytest.warns(UserWarning, match=r"metrics.jsonl:2: skipping a torn last line"):
+        assert main(["report", str(run)]) == 0
+    assert (run / "report.html").exists()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "env/mean_sc\n{"step": 3}\n')  # broken inside
+    (run / "samples.jsonl").write_bytes(b'{"kind": "episode"}\n\xff\xfe\n')
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for argv, message in ((["report", str(run)], f"{run / 'metrics.jsonl'}:2: not valid JSON"),
+                          (["report", str(empty)], f"{empty}: no summary.json, metrics.jsonl or samples.jsonl"),
+                          (["report", str(tmp_path / "missing")], f"{tmp_path / 'missing'}: no such run directory")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(f"agentrl: error: {message}"), err
+    (run / "metrics.jsonl").unlink()
+    assert main(["report", str(run)]) == 2
+    assert f"{run / 'samples.jsonl'}: not UTF-8 text" in capsys.readouterr().err
