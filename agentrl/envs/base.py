@@ -104,7 +104,14 @@ def load_tasks(spec: str, n: int, seed: int, split: str) -> list[dict]:
         from agentrl.data import read_task_split
 
         return read_task_split(spec, split)[:n]
-    return load_object(spec)(n, seed=seed, split=split)
+    where = f"{spec}({n}, seed={seed}, split={split!r})"
+    tasks = _user_call(load_object(spec), where, n, seed=seed, split=split)
+    if not isinstance(tasks, (list, tuple)):
+        raise EnvironmentContractError(f"{where} must return a list of task dicts, returned {_shown(tasks)}")
+    for i, task in enumerate(tasks):
+        if not isinstance(task, dict):
+            raise EnvironmentContractError(f"{where} must return a list of task dicts; item {i} is {_shown(task)}")
+    return list(tasks)
 
 
 def make_env(spec: str | type, kwargs: dict | None = None) -> Environment:

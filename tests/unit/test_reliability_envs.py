@@ -139,3 +139,20 @@ def test_the_cli_prints_one_line_and_exits_2(tiny_base, tmp_path, monkeypatch, c
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert err.splitlines()[-1] == "agentrl: error: ResetsToInt.reset must return the prompt (a str), returned int 3"
+
+
+def test_a_tasks_function_that_raises_or_returns_the_wrong_type_is_named(tmp_path, monkeypatch):
+    from agentrl.envs.base import load_tasks
+
+    (tmp_path / "my_bad_tasks.py").write_text(
+        "def raises(n, seed, split):\n    raise OSError('tasks.csv not found')\n"
+        "def dict_of_tasks(n, seed, split):\n    return {'question': 'q'}\n"
+        "def strings(n, seed, split):\n    return ['q1', 'q2']\n"
+        "def generator(n, seed, split):\n    return ({'question': f'q{i}'} for i in range(n))\n")
+    monkeypatch.chdir(tmp_path)
+    for name, message in (("raises", "my_bad_tasks:raises(2, seed=0, split='eval') raised OSError: tasks.csv not found"),
+                          ("dict_of_tasks", "must return a list of task dicts, returned dict {'question': 'q'}"),
+                          ("strings", "must return a list of task dicts; item 0 is str 'q1'"),
+                          ("generator", "must return a list of task dicts, returned generator")):
+        with pytest.raises(EnvironmentContractError, match=re.escape(message)):
+            load_tasks(f"my_bad_tasks:{name}", 2, 0, "eval")
