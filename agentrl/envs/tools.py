@@ -23,11 +23,16 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import queue
 import random
 import re
+import select
+import signal
 import string
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -241,15 +246,74 @@ class _ToolThreads:
 _THREADS = _ToolThreads()  # shared: environments are created per episode
 
 
+def _run_forked(observe: Callable[[str, Any], tuple[str, bool]], fn: Callable, kwargs: dict,
+                timeout: float) -> tuple[str, Any]:
+    """One call in a forked child with a deadline: ("observation", (text, ok)) made by `observe(status, value)`
+    in the child, ("timeout", None) after killing it, or ("exited", how) when it died without answering
+    (os._exit, a crash, a signal). The child inherits the tool's module state copy-on-write; nothing it
+    changes comes back, and only the observation text crosses the pipe (no pickling)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: answer on the pipe and leave with os._exit, never through the parent's code
+        try:
+            os.close(read_end)
+            for sig in (signal.SIGTERM, signal.SIGINT):  # not the run's checkpoint-and-exit handlers
+                signal.signal(sig, signal.SIG_DFL)
+            try:
+                outcome = observe("ok", fn(**kwargs))
+            except BaseException as e:  # noqa: BLE001 - see _ToolThreads._serve
+                outcome = observe("raised", e)
+            os.write(write_end, json.dumps(outcome).encode())
+            sys.stdout.flush(), sys.stderr.flush()
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    deadline, chunks, answered = time.monotonic() + timeout, [], False
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([read_end], [], [], left)[0]:
+                return "timeout", None
+            chunk = os.read(read_end, 65536)
+            if not chunk:
+                answered = True
+                break
+            chunks.append(chunk)
+    finally:  # also when a signal's exit interrupts the wait: never leave the child running
+        os.close(read_end)
+        if not answered:
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    if chunks:
+        text, ok = json.loads(b"".join(chunks))
+        return "observation", (text, ok)
+    how = (f"killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
+           else f"exit status {os.waitstatus_to_exitcode(status)}")
+    return "exited", how
+
+
 @functools.lru_cache(maxsize=256)
 def _cached_schema(fn: Callable) -> dict:
     return tool_schema(fn)
 
 
 class ToolRunner:
-    """Dispatches validated calls to the functions with a per-call timeout and an observation size limit."""
+    """Dispatches validated calls to the functions with a per-call timeout and an observation size limit.
 
-    def __init__(self, tools: list[Callable], timeout: float = 5.0, max_observation_chars: int = 500):
+    isolation "thread" (default): calls run on daemon threads of this process; a call that overruns is
+    abandoned (see _ToolThreads), but a tool that calls os._exit or crashes the interpreter ends the run.
+    "process": each call runs in a forked child that is killed at the deadline, so nothing a tool does (os._exit,
+    a segfault, a hang holding a lock) reaches the run; it costs a fork per call (milliseconds on a large
+    process), changes to module state in a call do not persist, and it needs os.fork (Linux, macOS).
+    """
+
+    def __init__(self, tools: list[Callable], timeout: float = 5.0, max_observation_chars: int = 500,
+                 isolation: str = "thread"):
+        if isolation not in ("thread", "process"):
+            raise ValueError(f"isolation must be 'thread' or 'process', got {isolation!r}")
+        if isolation == "process" and not hasattr(os, "fork"):
+            raise ValueError("isolation='process' needs os.fork, which this platform lacks; use 'thread'")
+        self.isolation = isolation
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < math.inf):
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         if isinstance(max_observation_chars, bool) or not isinstance(max_observation_chars, int) \
@@ -266,16 +330,26 @@ class ToolRunner:
         problem = validate_arguments(self.schemas[call.name], call.arguments)
         if problem:
             return f"Error: {call.name}: {problem}", False
-        status, result = _THREADS.run(self.functions[call.name], call.arguments, self.timeout)
-        if status == "timeout":  # abandoned: its thread finishes (or not) on its own, its result is ignored
+        fn, observe = self.functions[call.name], functools.partial(self._observation, call.name)
+        if self.isolation == "process":
+            status, result = _run_forked(observe, fn, call.arguments, self.timeout)
+        else:
+            status, result = _THREADS.run(fn, call.arguments, self.timeout)
+        if status == "timeout":  # abandoned (thread) or killed (process); its result is ignored
             return f"Error: {call.name} timed out after {self.timeout:g} s", False
-        if status == "raised":  # a tool's failure is the model's observation
-            return f"Error: {call.name} raised {type(result).__name__}: {result}"[: self.max_chars], False
+        if status == "exited":  # isolation "process": the child ended without answering
+            return f"Error: {call.name} ended its process ({result}) without returning", False
+        return result if status == "observation" else observe(status, result)
+
+    def _observation(self, name: str, status: str, result: Any) -> tuple[str, bool]:
+        """(text, ok) of a call that returned (status "ok") or raised ("raised"): a tool's failure is the
+        model's observation."""
+        if status == "raised":
+            return f"Error: {name} raised {type(result).__name__}: {result}"[: self.max_chars], False
         try:
             text = result if isinstance(result, str) else json.dumps(result, default=str)
         except (TypeError, ValueError) as e:  # e.g. a dict with non-string keys of mixed types, a cycle
-            return f"Error: {call.name} returned a {type(result).__name__} that is not JSON ({e})"[: self.max_chars], \
-                False
+            return f"Error: {name} returned a {type(result).__name__} that is not JSON ({e})"[: self.max_chars], False
         if len(text) > self.max_chars:
             text = text[: self.max_chars] + " ...[truncated]"
         return text, True
@@ -314,13 +388,15 @@ class ToolEnv:
     turn are `tool` messages (with their call ids) rendered together by the same template, appended after
     what the model sampled (see agentrl.envs.chat). `chat_template_kwargs` go to every rendering
     (e.g. `{"enable_thinking": False}` for Qwen3).
+    `isolation="process"` runs each tool call in a forked child killed at `timeout` (see ToolRunner), for
+    tools that may call os._exit, crash or hang holding a lock.
     `check(task, answer_text) -> bool` decides correctness; rewards follow the tutorial's table.
     """
 
     def __init__(self, tools: list[Callable], check: Callable[[dict, str], bool], format: str = "react",
                  max_turns: int = 4, timeout: float = 5.0, max_observation_chars: int = 500,
                  rewards: dict | None = None, system_prompt: str | None = None, tool_parser: str | None = None,
-                 chat_template_kwargs: dict | None = None):
+                 chat_template_kwargs: dict | None = None, isolation: str = "thread"):
         if format not in ("react", "chat"):
             raise ValueError(f"format must be 'react' or 'chat', got {format!r}")
         if tool_parser is not None and tool_parser not in TOOL_PARSERS:
@@ -328,7 +404,7 @@ class ToolEnv:
                              f"template), got {tool_parser!r}")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError(f"chat_template_kwargs must be a mapping, got {type(chat_template_kwargs).__name__}")
-        self.runner = ToolRunner(tools, timeout, max_observation_chars)
+        self.runner = ToolRunner(tools, timeout, max_observation_chars, isolation)
         self.check, self.format, self.max_turns = check, format, max_turns
         self.rewards = ToolRewards(**(rewards or {}))
         self.system_prompt = system_prompt

@@ -136,3 +136,39 @@ def test_sigterm_ends_the_process_while_tools_hang():
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def hard_exit(code: int) -> str:
+    """Leave the interpreter without cleanup.
+
+    Args:
+        code: the exit status
+    """
+    import os
+
+    os._exit(code)
+
+
+def counts(x: str) -> dict:
+    """Return a structure.
+
+    Args:
+        x: anything
+    """
+    return {"x": x, "n": [1, 2]}
+
+
+def test_process_isolation_survives_os_exit_hangs_and_exceptions():
+    runner = ToolRunner([hard_exit, hangs, exits, counts, echo], timeout=0.5, isolation="process")
+    assert runner(ToolCall("hard_exit", {"code": 7})) == ("Error: hard_exit ended its process (exit status 7) "
+                                                          "without returning", False)
+    started = time.monotonic()
+    assert runner(ToolCall("hangs", {"x": ""})) == ("Error: hangs timed out after 0.5 s", False)
+    assert time.monotonic() - started < 5  # killed at the deadline
+    assert runner(ToolCall("exits", {"code": 0})) == ("Error: exits raised SystemExit: 0", False)
+    assert runner(ToolCall("counts", {"x": "a"})) == ('{"x": "a", "n": [1, 2]}', True)
+    assert runner(ToolCall("echo", {"x": "é" * 600}))[0].endswith(" ...[truncated]")
+    # the same observations as in this process, for tools that behave
+    assert ToolRunner([counts]).__call__(ToolCall("counts", {"x": "a"})) == runner(ToolCall("counts", {"x": "a"}))
+    with pytest.raises(ValueError, match="isolation must be 'thread' or 'process'"):
+        ToolRunner([echo], isolation="subprocess")
