@@ -151,14 +151,30 @@ def _print_summary(summary: dict) -> None:
     print(f"adapter: {summary['adapter_dir']}")
 
 
+def _at_least_one(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse turns the ValueError into a one-line usage error, exit 2)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def _positive_finite(text: str) -> float:
+    """argparse type: a finite number > 0 (temperatures)."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def _env_arguments(p: argparse.ArgumentParser, tasks: int) -> None:
     """The options every command that runs an environment shares."""
     p.add_argument("--env", default="agentrl.envs:CalculatorEnv", help="module:Class of the environment")
     p.add_argument("--env-kwargs", default=None, help="JSON object passed to the environment")
     p.add_argument("--task-source", default="agentrl.envs:calculator_tasks", help="module:function or .jsonl")
-    p.add_argument("--tasks", type=int, default=tasks)
+    p.add_argument("--tasks", type=_at_least_one, default=tasks)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=_at_least_one, default=48)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,8 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", default=None)
     _env_arguments(p, tasks=256)
     p.add_argument("--split", default="train", choices=["train", "eval"])
-    p.add_argument("--samples", type=int, default=4, help="trajectories per task (K)")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--samples", type=_at_least_one, default=4, help="trajectories per task (K)")
+    p.add_argument("--temperature", type=_positive_finite, default=1.0)
     p.add_argument("--out", required=True, help="pairs JSONL to write")
     p.set_defaults(func=_cmd_preferences)
 
@@ -231,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", default=None)
     _env_arguments(p, tasks=200)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=_positive_finite, default=1.0)
     p.add_argument("--out", default=None, help="also write the metrics to this JSON file")
     p.set_defaults(func=_cmd_eval)
     return parser

@@ -87,3 +87,16 @@ def test_the_dataclasses_refuse_nonsense_when_built_directly():
     with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
         GRPOConfig(temperature=math.nan)
     assert JobConfig().algo == "ppo"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "--model", "m", "--temperature", "nan"], "argument --temperature: must be a finite number > 0, got nan"),
+    (["eval", "--model", "m", "--temperature", "0"], "argument --temperature: must be a finite number > 0, got 0"),
+    (["eval", "--model", "m", "--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1, got 0"),
+    (["preferences", "--model", "m", "--out", "x", "--samples", "-2"], "argument --samples: must be an integer >= 1"),
+    (["compare", "--a", "m", "--b", "m", "--tasks", "0"], "argument --tasks: must be an integer >= 1, got 0"),
+])
+def test_command_line_options_are_checked_too(capsys, argv, message):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
