@@ -204,4 +204,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     try:
         return from_dict(cls, data)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+        # A value from the command line is not the file's: name the file only for what it holds.
+        overridden = {o.partition("=")[0] for o in overrides or []}
+        from_override = any(str(e).startswith((f"{k}:", f"{k} ")) for k in overridden)
+        raise ConfigError(f"{path}: {e}" if path and not from_override else str(e)) from None
