@@ -235,10 +235,10 @@ class _ToolThreads:
             fn, kwargs, outbox = inbox.get()
             try:
                 outcome = ("ok", fn(**kwargs))
-            except BaseException as e:  # noqa: BLE001 - SystemExit/KeyboardInterrupt too: a failed call, not the run's end
+            except BaseException as e:  # noqa: BLE001 - SystemExit/KeyboardInterrupt too: a failed call
                 outcome = ("raised", e)
             outbox.put(outcome)  # after a timeout nobody reads it; the thread is free again all the same
-            del fn, kwargs, outbox, outcome
+            del fn, kwargs, outbox, outcome  # an idle thread keeps no result (or traceback) alive
             with self._lock:
                 self._idle.append(inbox)
 

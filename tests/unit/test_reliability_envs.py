@@ -94,7 +94,7 @@ class Raising(Env):
 
 @pytest.mark.parametrize("attrs, message", [({"max_turns": -3}, "Bad.max_turns must be an integer >= 1, got int -3"),
                                             ({"max_turns": "4"}, "Bad.max_turns must be an integer >= 1, got str '4'"),
-                                            ({"stop_patterns": "Action:"}, "Bad.stop_patterns must be a tuple of regex"),
+                                            ({"stop_patterns": "Action:"}, "Bad.stop_patterns must be a tuple"),
                                             ({"stop_patterns": ("(",)}, r"Bad.stop_patterns: '\(' is not a regex")])
 def test_make_env_checks_the_protocols_attributes(attrs, message):
     with pytest.raises(EnvironmentContractError, match=message.replace(".", r"\.")):
@@ -150,7 +150,8 @@ def test_a_tasks_function_that_raises_or_returns_the_wrong_type_is_named(tmp_pat
         "def strings(n, seed, split):\n    return ['q1', 'q2']\n"
         "def generator(n, seed, split):\n    return ({'question': f'q{i}'} for i in range(n))\n")
     monkeypatch.chdir(tmp_path)
-    for name, message in (("raises", "my_bad_tasks:raises(2, seed=0, split='eval') raised OSError: tasks.csv not found"),
+    for name, message in (("raises", "my_bad_tasks:raises(2, seed=0, split='eval') raised OSError: tasks.csv "
+                                     "not found"),
                           ("dict_of_tasks", "must return a list of task dicts, returned dict {'question': 'q'}"),
                           ("strings", "must return a list of task dicts; item 0 is str 'q1'"),
                           ("generator", "must return a list of task dicts, returned generator")):

@@ -92,7 +92,8 @@ def test_a_result_json_cannot_hold_is_a_failed_call():
 
 
 @pytest.mark.parametrize("kwargs, message", [({"timeout": 0}, "timeout must be"), ({"timeout": float("nan")}, "timeout"),
-                                             ({"timeout": "5"}, "timeout"), ({"max_observation_chars": 0}, "max_obs")])
+                                             ({"timeout": "5"}, "timeout"), ({"max_observation_chars": 0}, "max_obs"),
+                                             ({"isolation": "fork"}, "isolation must be")])
 def test_bad_runner_settings_are_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ToolEnv([echo], check=lambda task, answer: True, **kwargs)
