@@ -486,29 +486,36 @@ def lock_run(out_dir: str | Path) -> None:
     """Hold out_dir/.agentrl.lock with flock until the job ends (Checkpointer.signals() releases it) or the
     process does (the kernel releases it, even after kill -9). A second job on the same out_dir would delete
     the first one's checkpoints and interleave its metrics rows; it stops here instead, naming the holder.
-    Several processes: the main one holds it for the job."""
-    if not is_main_process():
-        return
-    out = Path(out_dir).resolve()
+    Several processes: the main one holds it for the job and tells the others if it could not."""
+    problem = _lock(Path(out_dir)) if is_main_process() else None
+    problem = broadcast_from_main(problem)  # every rank stops, none waits at a barrier for a main that left
+    if problem:
+        raise UserError(problem)
+
+
+def _lock(out_dir: Path) -> str | None:
+    """Take the lock in this process; what prevents it, or None."""
+    out = out_dir.resolve()
     if out in _RUN_LOCKS:  # this process runs another job there (the first has ended: jobs run one at a time)
-        return
+        return None
     try:
         out.mkdir(parents=True, exist_ok=True)
         fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     except (FileExistsError, NotADirectoryError):
-        raise UserError(f"out_dir={out_dir}: is a file (or under one), not a directory") from None
+        return f"out_dir={out_dir}: is a file (or under one), not a directory"
     except OSError as e:
-        raise UserError(f"out_dir={out_dir}: cannot write there ({e.strerror})") from None
+        return f"out_dir={out_dir}: cannot write there ({e.strerror})"
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.read(fd, 300).decode(errors="replace").strip() or "a process that has not written its pid yet"
         os.close(fd)
-        raise UserError(f"out_dir={out_dir}: another agentrl job is running there ({holder}); wait for it to end, "
-                        f"or give this one another out_dir") from None
+        return (f"out_dir={out_dir}: another agentrl job is running there ({holder}); wait for it to end, or give "
+                f"this one another out_dir")
     os.ftruncate(fd, 0)
     os.write(fd, f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
     _RUN_LOCKS[out] = fd
+    return None
 
 
 def unlock_run(out_dir: str | Path) -> None:
