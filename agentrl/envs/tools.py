@@ -33,6 +33,7 @@ import string
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -212,18 +213,27 @@ class _ToolThreads:
     exit), never keep the process alive after the run ends or on SIGTERM/SIGINT, whatever a tool is doing.
     """
 
+    # Far more threads than calls ever run at once (engine.STEP_WORKERS steps at a time): most hold hung calls.
+    WARN_AT = 256
+
     def __init__(self):
         self._idle: list[queue.SimpleQueue] = []  # inboxes of threads waiting for a call
         self._lock = threading.Lock()
+        self._started = 0
 
     def run(self, fn: Callable, kwargs: dict, timeout: float | None) -> tuple[str, Any]:
         """("ok", result), ("raised", exception) or ("timeout", None)."""
         outbox: queue.SimpleQueue = queue.SimpleQueue()
         with self._lock:
             inbox = self._idle.pop() if self._idle else None
+            started = self._started = self._started + (inbox is None)
         if inbox is None:
             inbox = queue.SimpleQueue()
             threading.Thread(target=self._serve, args=(inbox,), name="agentrl-tool", daemon=True).start()
+            if started == self.WARN_AT:
+                warnings.warn(f"{self.WARN_AT} tool threads started: calls that overran their timeout are still "
+                              f"running (a Python thread cannot be stopped); for a tool that hangs, "
+                              f"ToolEnv(isolation='process') kills each call at its deadline", stacklevel=3)
         inbox.put((fn, kwargs, outbox))
         try:
             return outbox.get(timeout=timeout)

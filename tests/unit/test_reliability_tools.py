@@ -173,3 +173,13 @@ def test_process_isolation_survives_os_exit_hangs_and_exceptions():
     assert ToolRunner([counts]).__call__(ToolCall("counts", {"x": "a"})) == runner(ToolCall("counts", {"x": "a"}))
     with pytest.raises(ValueError, match="isolation must be 'thread' or 'process'"):
         ToolRunner([echo], isolation="subprocess")
+
+
+def test_many_hung_calls_warn_and_name_the_remedy(monkeypatch):
+    from agentrl.envs import tools
+
+    threads = tools._ToolThreads()
+    monkeypatch.setattr(threads, "WARN_AT", 3)
+    with pytest.warns(UserWarning, match=r"3 tool threads started: .*isolation='process'"):
+        for _ in range(3):
+            assert threads.run(hangs, {"x": ""}, 0.01) == ("timeout", None)
