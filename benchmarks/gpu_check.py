@@ -79,12 +79,42 @@ def run_case(name: str, overrides: list[str], out: Path) -> dict:
     return result
 
 
+# The real-model job of `make demo-real` (SFT, then PPO from the SFT model) on larger instruct models, each with
+# its shipped config; the GPU machine reaches no hub, so each is a local directory given on the command line.
+REAL_MODELS = {"qwen2.5-0.5b": "real-qwen2.5-0.5b", "qwen3-0.6b": "real-qwen3-0.6b"}
+
+
+def run_real(name: str, model_dir: str, out: Path, env: dict, dry_run: bool) -> dict:
+    """`agentrl sft` then `agentrl ppo` with configs/<REAL_MODELS[name]>.yaml; both summaries and wall times."""
+    config, run_dir = REAL_MODELS[name], out / f"real-{name}"
+    small = ["sft.steps=2", "steps=1", "env.eval_tasks=8", "ppo.batch_size=4", "ppo.mini_batch_size=4"] if dry_run else []
+    result = {"model_dir": model_dir, "config": config}
+    for job, extra in (("sft", [f"model.base={model_dir}", f"out_dir={run_dir / 'sft'}"]),
+                       ("ppo", [f"model.base={run_dir / 'sft' / 'model'}", f"out_dir={run_dir / 'ppo'}"])):
+        started = time.time()
+        with (out / f"real-{name}-{job}.log").open("w") as f:
+            code = subprocess.call([sys.executable, "-m", "agentrl.cli", job, "--config", config, "progress=false",
+                                    *small, *extra], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        result[job] = {"exit_code": code, "seconds": round(time.time() - started, 1)}
+        summary = run_dir / job / "summary.json"
+        if code == 0 and summary.exists():
+            data = json.loads(summary.read_text())
+            result[job].update({k: data.get(k) for k in ("before", "before_sampled", "after", "after_sampled",
+                                                          "retention", "train_seconds")})
+        if code:
+            break
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder for gpu_check.json, per-case runs and logs")
     parser.add_argument("--model", default=None, help="a local model directory (default: the embedded model)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--dry-run", action="store_true", help="CPU, 2 steps of 8 episodes: check the script itself")
+    for name in REAL_MODELS:
+        parser.add_argument(f"--{name}", default=None, metavar="DIR",
+                            help=f"a local {name} instruct model directory: run the real-model job on it")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # internal: run one case in this process
     parser.add_argument("--overrides", nargs="*", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -136,6 +166,13 @@ def main() -> int:
         report["cases"][name] = result
         print(f"{name}: exit {code}, {result['seconds']} s", flush=True)
         (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+    for name in REAL_MODELS:
+        model_dir = getattr(args, name.replace(".", "_").replace("-", "_"))
+        if model_dir:
+            started = time.time()
+            report.setdefault("real_models", {})[name] = result = run_real(name, model_dir, out, env, args.dry_run)
+            print(f"real model {name}: {round(time.time() - started, 1)} s", flush=True)
+            (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     cases_run = report["cases"]
     if "vllm_rollout_bf16" in cases_run and "hf_rollout_bf16" in cases_run:
         a, b = cases_run["vllm_rollout_bf16"], cases_run["hf_rollout_bf16"]
@@ -143,7 +180,9 @@ def main() -> int:
             report["vllm_rollout_speedup"] = round(b["rollout_seconds_per_step"] / max(a["rollout_seconds_per_step"], 1e-9), 2)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
-    return int(any(c["exit_code"] for c in cases_run.values()))
+    real_failed = any(job.get("exit_code") for r in report.get("real_models", {}).values()
+                      for job in (r.get("sft", {}), r.get("ppo", {})))
+    return int(any(c["exit_code"] for c in cases_run.values()) or real_failed)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 # One prepared check for a machine with a CUDA GPU (nothing downloaded at run time):
 #   bash benchmarks/gpu_check.sh [OUT_DIR] [--model LOCAL_MODEL_DIR] [--steps N]   # OUT_DIR default: $OUT or runs/gpu-check
 #   bash benchmarks/gpu_check.sh /tmp/gpu-dry --dry-run                           # on CPU: checks the script itself
+#   bash benchmarks/gpu_check.sh OUT --qwen2.5-0.5b DIR --qwen3-0.6b DIR           # + the real-model job (SFT -> PPO,
+#                                                     configs/real-qwen*.yaml) on local copies of those instruct models
 # Cases (benchmarks/gpu_check.py): fp32; bf16 weights; bf16 mixed precision + gradient checkpointing; hf vs vLLM
 # rollouts at bf16 (when vLLM imports: `pip install -e '.[vllm]'` beforehand); 2 processes with torchrun when 2
 # GPUs exist. Writes OUT_DIR/gpu_check.json (figures per case: rollout/update s per step, sampled tokens per

@@ -192,6 +192,40 @@ class Run:
         return training_tasks(EnvSection(tasks=spec, train_tasks=n), seed, self.eval_tasks)
 
 
+EVAL_FILE = "agentrl_eval.json"  # a model directory's own held-out evaluation, written by the job that made it
+
+
+def eval_key(env_cfg: EnvSection, eval_seed: int, max_new_tokens: int, temperature: float) -> dict:
+    """What a held-out evaluation depends on besides the weights."""
+    env = {k: v for k, v in to_dict(env_cfg).items() if k not in ("demonstrations", "train_tasks")}
+    return {"env": env, "eval_seed": eval_seed, "max_new_tokens": max_new_tokens, "temperature": temperature}
+
+
+def stored_eval(model_dir: str, key: dict) -> dict | None:
+    """The evaluation saved beside a model (store_eval) when it was made with the same key, else None: the PPO
+    job after `agentrl sft` starts from the SFT job's figures instead of evaluating the same model again."""
+    import json
+
+    path = Path(model_dir) / EVAL_FILE
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    same = stored.get("key") == json.loads(json.dumps(key)) and stored.get("weights") == _weights_stamp(model_dir)
+    return stored.get("result") if same else None
+
+
+def store_eval(model_dir: str, key: dict, result: dict) -> None:
+    from agentrl.checkpoint import write_json
+
+    write_json(Path(model_dir) / EVAL_FILE, {"key": key, "weights": _weights_stamp(model_dir), "result": result})
+
+
+def _weights_stamp(model_dir: str) -> list:
+    """Size and modification time of the directory's weight files: weights changed since, evaluation stale."""
+    return sorted([p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in Path(model_dir).glob("*.safetensors"))
+
+
 def model_loading_kwargs(model_cfg: ModelSection | None) -> dict:
     """from_pretrained keyword arguments of the model.* loading options; an error naming the key for a setting
     this machine cannot honour (4-bit without a CUDA GPU or without bitsandbytes, 4-bit without LoRA)."""

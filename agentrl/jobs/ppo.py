@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Literal
 
 from agentrl.config import ConfigError, load_config, to_dict
-from agentrl.jobs.common import (EnvSection, ModelSection, RolloutSection, add_lora, env_demonstrations, prepare_run,
-                                 resolve_config_path, summary_config, warn_ineffective)
+from agentrl.jobs.common import (EnvSection, ModelSection, RolloutSection, add_lora, env_demonstrations, eval_key,
+                                 prepare_run, resolve_config_path, stored_eval, summary_config, warn_ineffective)
 from agentrl.samples import SamplesLog
 from agentrl.trainers.grpo import GRPOConfig
 from agentrl.trainers.ppo import PPOConfig
@@ -90,7 +90,9 @@ def run_job(config: JobConfig) -> dict:
         algo_config = config.ppo if config.algo == "ppo" else config.grpo
         train_tasks = run.train_tasks(config.env.tasks, config.env.train_tasks, algo_config.seed)
         max_new = config.rollout.max_new_tokens
-        before = cached_eval(out, "before", fingerprint, lambda: run.evaluate_both(model, algo_config.temperature))
+        key = eval_key(config.env, config.eval_seed, max_new, algo_config.temperature)
+        before = cached_eval(out, "before", fingerprint, lambda: stored_eval(run.base_dir, key)
+                             or run.evaluate_both(model, algo_config.temperature))
         retention = retention_before(config, out, fingerprint, model)
         torch.manual_seed(algo_config.seed)
         model = add_lora(model, config.model)

@@ -17,8 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from agentrl.config import ConfigError, to_dict
-from agentrl.jobs.common import (Run, add_lora, env_demonstrations, environment_factory, load_base, renders_chat,
-                                 tasks_of)
+from agentrl.jobs.common import (Run, add_lora, env_demonstrations, environment_factory, eval_key, load_base,
+                                 renders_chat, store_eval, tasks_of)
 from agentrl.jobs.ppo import JobConfig, retention_after, retention_before
 
 
@@ -70,6 +70,8 @@ def run_sft_job(config: JobConfig) -> dict:
     retention = retention_after(retention, out, fingerprint, model)
     run = Run(str(model_dir), model, tokenizer, env_factory, eval_tasks, config.rollout.max_new_tokens, config.eval_seed)
     after = run.evaluate_both(model, config.ppo.temperature)
+    store_eval(str(model_dir), eval_key(config.env, config.eval_seed, config.rollout.max_new_tokens,
+                                        config.ppo.temperature), after)
     summary = {"after": after["greedy"], "after_sampled": after["sampled"], "algo": "sft", "steps": sft.steps,
                **trained, "eval_tasks": len(eval_tasks), "wall_seconds": round(time.time() - started, 1),
                "model_dir": str(model_dir), "config": to_dict(config)}
