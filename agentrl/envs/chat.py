@@ -101,7 +101,8 @@ def tool_call_text(calls: list[dict]) -> str:
 
 def tools_system_text(tools: list[dict]) -> str:
     """The tool schemas and the Hermes call format, for a system message (compact: one JSON line a tool)."""
-    schemas = "\n".join(json.dumps(t.get("function", t)) for t in tools)
+    # Without transformers' "return" entry (not part of a function-calling schema): fewer prompt tokens a row.
+    schemas = "\n".join(json.dumps({k: v for k, v in t.get("function", t).items() if k != "return"}) for t in tools)
     return ("You can call these tools:\n<tools>\n" + schemas + "\n</tools>\nTo call a tool, write:\n<tool_call>\n"
             '{"name": <tool name>, "arguments": <arguments as a JSON object>}\n</tool_call>')
 

@@ -179,11 +179,12 @@ class Run:
     max_new_tokens: int
     eval_seed: int
 
-    def evaluate_both(self, model, temperature: float) -> dict:
-        """Greedy and sampled metrics on the same held-out tasks and seed."""
+    def evaluate_both(self, model, temperature: float, mixed_precision: str = "no") -> dict:
+        """Greedy and sampled metrics on the same held-out tasks and seed (under bf16 autocast with the training's
+        mixed_precision "bf16": evaluation samples at the precision the policy trained at)."""
         from agentrl.jobs.evaluate import evaluate
 
-        kw = {"max_new_tokens": self.max_new_tokens, "seed": self.eval_seed}
+        kw = {"max_new_tokens": self.max_new_tokens, "seed": self.eval_seed, "mixed_precision": mixed_precision}
         return {"greedy": evaluate(model, self.tokenizer, self.env_factory, self.eval_tasks, True, **kw),
                 "sampled": evaluate(model, self.tokenizer, self.env_factory, self.eval_tasks, False, temperature, **kw)}
 
@@ -195,10 +196,12 @@ class Run:
 EVAL_FILE = "agentrl_eval.json"  # a model directory's own held-out evaluation, written by the job that made it
 
 
-def eval_key(env_cfg: EnvSection, eval_seed: int, max_new_tokens: int, temperature: float) -> dict:
+def eval_key(env_cfg: EnvSection, eval_seed: int, max_new_tokens: int, temperature: float,
+             mixed_precision: str = "no") -> dict:
     """What a held-out evaluation depends on besides the weights."""
     env = {k: v for k, v in to_dict(env_cfg).items() if k not in ("demonstrations", "train_tasks")}
-    return {"env": env, "eval_seed": eval_seed, "max_new_tokens": max_new_tokens, "temperature": temperature}
+    return {"env": env, "eval_seed": eval_seed, "max_new_tokens": max_new_tokens, "temperature": temperature,
+            "mixed_precision": mixed_precision}
 
 
 def stored_eval(model_dir: str, key: dict) -> dict | None:

@@ -18,7 +18,8 @@ SUMMARY_KEYS = ("accuracy", "tool_call_rate", "mean_score", "format_error_rate",
 
 @torch.no_grad()
 def evaluate(model, tokenizer, env_factory: Callable, tasks: list[dict], greedy: bool = True,
-             temperature: float = 1.0, max_new_tokens: int = 48, seed: int = 0) -> dict[str, float]:
+             temperature: float = 1.0, max_new_tokens: int = 48, seed: int = 0,
+             mixed_precision: str = "no") -> dict[str, float]:
     """Metrics of one episode per task: greedy decoding by default, else sampling at `temperature`.
 
     Several processes: each rolls out its contiguous share of the tasks (sampling with seed `seed + rank`), and
@@ -31,7 +32,9 @@ def evaluate(model, tokenizer, env_factory: Callable, tasks: list[dict], greedy:
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=not greedy)
     state = partial_state()
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed + state.process_index)
-    with state.split_between_processes(tasks) as mine:
+    device_type = next(model.parameters()).device.type
+    with state.split_between_processes(tasks) as mine, torch.autocast(device_type, dtype=torch.bfloat16,
+                                                                      enabled=mixed_precision == "bf16"):
         episodes = gather_in_order(rollout(model, tokenizer, env_factory, mine, params, generator=generator))
     metrics = {k.removeprefix("env/"): v for k, v in episode_metrics(episodes).items()}
     metrics = {k: round(metrics[k], 4) for k in SUMMARY_KEYS}

@@ -90,9 +90,10 @@ def run_job(config: JobConfig) -> dict:
         algo_config = config.ppo if config.algo == "ppo" else config.grpo
         train_tasks = run.train_tasks(config.env.tasks, config.env.train_tasks, algo_config.seed)
         max_new = config.rollout.max_new_tokens
-        key = eval_key(config.env, config.eval_seed, max_new, algo_config.temperature)
+        key = eval_key(config.env, config.eval_seed, max_new, algo_config.temperature, algo_config.mixed_precision)
+        precision = algo_config.mixed_precision
         before = cached_eval(out, "before", fingerprint, lambda: stored_eval(run.base_dir, key)
-                             or run.evaluate_both(model, algo_config.temperature))
+                             or run.evaluate_both(model, algo_config.temperature, precision))
         retention = retention_before(config, out, fingerprint, model)
         torch.manual_seed(algo_config.seed)
         model = add_lora(model, config.model)
@@ -138,7 +139,8 @@ def run_job(config: JobConfig) -> dict:
         finish_trackers(trainer.accelerator)
         adapter_dir = out / ("adapter" if config.model.lora else "model")
         trainer.save_pretrained(str(adapter_dir))
-        after = cached_eval(out, "after", fingerprint, lambda: evaluate_trained(run, trainer, algo_config.temperature))
+        after = cached_eval(out, "after", fingerprint, lambda: evaluate_trained(run, trainer, algo_config.temperature,
+                                                                                precision))
         retention = retention_after(retention, out, fingerprint, trainer.policy)
     if not is_main_process():  # every process evaluated its share; the main one writes the summary
         end_processes()
@@ -189,12 +191,12 @@ def retention_after(retention: dict | None, out: Path, fingerprint: dict, policy
     return retention
 
 
-def evaluate_trained(run, trainer, temperature: float) -> dict:
+def evaluate_trained(run, trainer, temperature: float, mixed_precision: str = "no") -> dict:
     """run.evaluate_both on the trained policy, on every process, with whole weights under FSDP / ZeRO-3."""
     from agentrl.distributed import gathered_for_generation
 
     with gathered_for_generation(trainer.accelerator, trainer.model):
-        return run.evaluate_both(trainer.policy, temperature)
+        return run.evaluate_both(trainer.policy, temperature, mixed_precision)
 
 
 def vllm_rollout(config: JobConfig, base_dir: str, seed: int):

@@ -69,9 +69,78 @@ GENERAL_PROMPTS = (
 )
 
 
+# Other general instructions, for replay during SFT (sft.replay_fraction): the model's own answers to these are
+# mixed into the demonstrations. Disjoint from GENERAL_PROMPTS, which only ever measure.
+REPLAY_PROMPTS = (
+    "Write a limerick about a clumsy robot.",
+    "What is the capital of Japan?",
+    "Give me two ideas for a rainy weekend.",
+    "Explain gravity to a child.",
+    "Translate 'thank you' into French.",
+    "What is the difference between a lake and a sea?",
+    "Suggest a name for a coffee shop.",
+    "Why do we have seasons?",
+    "Write a short note asking a neighbour to keep the noise down.",
+    "List three animals that live in the ocean.",
+    "How do I make a cup of tea?",
+    "What does a firefighter do?",
+    "Describe a forest in the morning.",
+    "What are the main parts of a plant?",
+    "Write a one-sentence story about a lost key.",
+    "Who painted the Mona Lisa?",
+    "How can I be a better listener?",
+    "Explain what a verb is.",
+    "Give an example of a healthy snack.",
+    "What is the smallest planet in our solar system?",
+    "How can I keep my desk tidy?",
+    "Write a short apology for being late to a meeting.",
+    "What is the opposite of 'ancient'?",
+    "Name three kinds of trees.",
+    "Why does ice float on water?",
+    "What should I bring on a hiking trip?",
+    "Summarise the story of Little Red Riding Hood in two sentences.",
+    "At what temperature does water freeze in Celsius?",
+    "Suggest a hobby for someone who likes music.",
+    "Explain what the internet is.",
+    "Write a haiku about the rain.",
+    "What is the main ingredient of bread?",
+    "How many hours are there in a day?",
+    "Give me a synonym for 'big'.",
+    "What do the lungs do?",
+    "Describe the sound of the sea.",
+    "What is a good name for a puppy?",
+    "How do birds fly?",
+    "Write a short invitation to a picnic.",
+    "What language is spoken in Mexico?",
+    "Explain why sleep is important.",
+    "What is the fastest land animal?",
+    "Give two reasons to learn a second language.",
+    "What is the boiling point of water in Fahrenheit?",
+    "How do I politely decline an invitation?",
+    "What are the primary colours?",
+    "Describe a thunderstorm in one sentence.",
+    "What is the purpose of a helmet?",
+    "Recommend a board game for a family evening.",
+    "What is the sun made of?",
+)
+
+
+@torch.no_grad()
+def replay_demonstrations(model, tokenizer, prompts=REPLAY_PROMPTS, max_new_tokens: int = 64) -> list[dict]:
+    """The model's own greedy answers to general instructions as chat demonstrations ({"messages": ...}): mixed
+    into SFT (sft.replay_fraction), they hold its behaviour on everything that is not the task where it was."""
+    out = []
+    for row in reference_answers(model, tokenizer, prompts, max_new_tokens):
+        text = tokenizer.decode(row["answer"], skip_special_tokens=True).strip()
+        if text:
+            out.append({"messages": [{"role": "user", "content": row["instruction"]},
+                                     {"role": "assistant", "content": text}]})
+    return out
+
+
 @torch.no_grad()
 def reference_answers(model, tokenizer, prompts=GENERAL_PROMPTS, max_new_tokens: int = 48) -> list[dict]:
-    """The reference model's greedy answer to each prompt, as ids: [{"prompt": ids, "answer": ids}]."""
+    """The reference model's greedy answer to each prompt, as ids: [{"instruction", "prompt": ids, "answer": ids}]."""
     from agentrl.rollout.engine import encode_prompt
     from agentrl.rollout.sampling import SamplingParams, sample_batch
 
@@ -81,7 +150,7 @@ def reference_answers(model, tokenizer, prompts=GENERAL_PROMPTS, max_new_tokens:
     params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=False)
     samples = sample_batch(model.eval(), contexts, params, tokenizer.eos_token_id, tokenizer.pad_token_id,
                            tokenizer=tokenizer)
-    return [{"prompt": c, "answer": s.ids} for c, s in zip(contexts, samples) if s.ids]
+    return [{"instruction": p, "prompt": c, "answer": s.ids} for p, c, s in zip(prompts, contexts, samples) if s.ids]
 
 
 @torch.no_grad()

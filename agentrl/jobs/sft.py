@@ -34,6 +34,24 @@ def demonstrations_of(config: JobConfig, eval_tasks: list[dict]) -> tuple[object
                       "env.demonstrations=module:function")
 
 
+def with_replay(data, name: str, sft, model, tokenizer, max_new_tokens: int) -> tuple[list, str]:
+    """The demonstrations with the model's own answers to general instructions mixed in (sft.replay_fraction of
+    the rows, the replay rows cycled and spread evenly through the rows)."""
+    from agentrl.jobs.retention import replay_demonstrations
+    from agentrl.trainers.sft import read_demonstrations
+
+    task_rows = [row for _, row in read_demonstrations(data, name)]
+    replay = replay_demonstrations(model, tokenizer, max_new_tokens=max(max_new_tokens, 64))
+    n_replay = round(len(task_rows) * sft.replay_fraction / (1 - sft.replay_fraction))
+    mixed, k = [], 0
+    for i, row in enumerate(task_rows):
+        mixed.append(row)
+        while k < n_replay and (k + 1) * len(task_rows) <= (i + 1) * n_replay:
+            mixed.append(replay[k % len(replay)])
+            k += 1
+    return mixed, f"{name} + {n_replay} replay rows"
+
+
 def run_sft_job(config: JobConfig) -> dict:
     """Demonstrations -> SFT -> `out_dir/model` (+ metrics.jsonl, summary.json with held-out metrics)."""
     import torch
@@ -58,6 +76,8 @@ def run_sft_job(config: JobConfig) -> dict:
     else:
         model, tokenizer = load_base(config.model.base, config.model)
         retention = retention_before(config, out, fingerprint, model)
+        if sft.replay_fraction > 0:
+            data, name = with_replay(data, name, sft, model, tokenizer, config.rollout.max_new_tokens)
         torch.manual_seed(sft.seed)
         trainer = SFTTrainer(add_lora(model, config.model), sft, data, tokenizer, dataset_name=name)
         train_started = time.time()
@@ -69,9 +89,10 @@ def run_sft_job(config: JobConfig) -> dict:
     model, tokenizer = load_base(str(model_dir))
     retention = retention_after(retention, out, fingerprint, model)
     run = Run(str(model_dir), model, tokenizer, env_factory, eval_tasks, config.rollout.max_new_tokens, config.eval_seed)
-    after = run.evaluate_both(model, config.ppo.temperature)
+    # At the precision PPO will train and evaluate at (ppo.mixed_precision), so that its `before` is this one.
+    after = run.evaluate_both(model, config.ppo.temperature, config.ppo.mixed_precision)
     store_eval(str(model_dir), eval_key(config.env, config.eval_seed, config.rollout.max_new_tokens,
-                                        config.ppo.temperature), after)
+                                        config.ppo.temperature, config.ppo.mixed_precision), after)
     summary = {"after": after["greedy"], "after_sampled": after["sampled"], "algo": "sft", "steps": sft.steps,
                **trained, "eval_tasks": len(eval_tasks), "wall_seconds": round(time.time() - started, 1),
                "model_dir": str(model_dir), "config": to_dict(config)}

@@ -51,12 +51,16 @@ class SFTConfig:
     logging_steps: int = 20  # a metrics row every this many steps
     seed: int = 0  # shuffling (and, in jobs, the demonstrations' draw)
     mixed_precision: Literal["no", "bf16"] = "no"  # bf16 autocast of the forward (x1.5-1.8 on CPUs with AVX512-BF16)
+    replay_fraction: float = 0.0  # `agentrl sft` on a pretrained model: this share of the rows are the model's own
+    # greedy answers to general instructions (jobs/retention.REPLAY_PROMPTS), so it keeps what it knew; 0: off
     progress: bool = True  # progress bar
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "max_length", "logging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.replay_fraction < 1.0:
+            raise ValueError(f"replay_fraction must be in [0, 1), got {self.replay_fraction}")
 
 
 # --- rows -> token ids and labels ------------------------------------------------------------------------

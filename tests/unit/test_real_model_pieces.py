@@ -1,0 +1,136 @@
+"""The pieces the real-model job is made of, on tiny models built here: SFT's sparse logits at a large
+vocabulary, the approx-KL warning, the word-problem task, SFT replay, the retention metrics, model.base
+resolution and the stored evaluation a PPO job starts from."""
+
+import random
+import warnings
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from agentrl import PPOConfig
+from agentrl.envs import word_problem_demonstration, word_problem_tasks
+from agentrl.envs.safe_eval import format_number, safe_eval
+from agentrl.errors import UserError
+from agentrl.jobs.common import EnvSection, eval_key, store_eval, stored_eval
+from agentrl.jobs.retention import GENERAL_PROMPTS, REPLAY_PROMPTS, retention_metrics, _answer_logprobs
+from agentrl.models import pretrained
+from agentrl.trainers.ppo import warn_if_approx_kl_explodes
+from agentrl.trainers.sft import SPARSE_LOGITS_MIN_VOCAB, sft_loss
+
+
+def tiny_llama(vocab: int, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_sparse_logits_sft_loss_equals_the_full_loss():
+    model = tiny_llama(SPARSE_LOGITS_MIN_VOCAB)
+    ids = torch.randint(0, SPARSE_LOGITS_MIN_VOCAB, (3, 12))
+    labels = torch.full_like(ids, -100)
+    labels[0, 5:9], labels[1, 3:6], labels[2, 8:12] = ids[0, 5:9], ids[1, 3:6], ids[2, 8:12]
+    attention = torch.ones_like(ids)
+    attention[1, 10:] = 0
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": attention}
+    full = model(**batch).loss
+    sparse = sft_loss(model, batch)
+    assert sparse.item() == pytest.approx(full.item(), rel=1e-5)
+    model.zero_grad()
+    sparse.backward()
+    g_sparse = model.model.layers[0].self_attn.q_proj.weight.grad.clone()
+    model.zero_grad()
+    model(**batch).loss.backward()
+    assert torch.allclose(g_sparse, model.model.layers[0].self_attn.q_proj.weight.grad, atol=1e-6)
+
+
+def test_approx_kl_warning():
+    config = PPOConfig(batch_size=2, mini_batch_size=2)
+    with pytest.warns(UserWarning, match=r"PPO step 3: approx-KL 2\.98 .*exceeds ppo\.approx_kl_warning=0\.5"):
+        warn_if_approx_kl_explodes(2.98, config, 3)
+    with pytest.warns(UserWarning, match="approx-KL nan"):
+        warn_if_approx_kl_explodes(float("nan"), config, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_approx_kl_explodes(0.02, config, 1)
+        warn_if_approx_kl_explodes(5.0, PPOConfig(batch_size=2, mini_batch_size=2, approx_kl_warning=None), 1)
+
+
+def test_word_problems_split_answers_and_demonstrations():
+    train, held_out = word_problem_tasks(2000, 0, "train"), word_problem_tasks(300, 0, "eval")
+    assert not {t["question"] for t in train} & {t["question"] for t in held_out}
+    assert word_problem_tasks(50, 0, "eval") == held_out[:50]  # reproducible
+    for task in train + held_out:
+        assert task["answer"] == format_number(safe_eval(task["expression"]))
+        assert float(task["answer"]) > 0 and float(task["answer"]).is_integer()
+    two_ops = sum(task["expression"].count(" ") > 2 for task in held_out) / len(held_out)
+    assert 0.2 < two_ops < 0.6  # some, not all, need two operations
+    rng = random.Random(0)
+    rows = [word_problem_demonstration(t, rng) for t in train[:400]]
+    calls = [r for r in rows if any(m.get("tool_calls") for m in r["messages"])]
+    assert 0.4 < len(calls) / len(rows) < 0.6  # half call the tool, half guess
+    for row in calls[:20]:
+        call = row["messages"][1]["tool_calls"][0]["function"]
+        task = next(t for t in train if t["question"] == row["messages"][0]["content"])
+        assert call["arguments"]["expression"] == task["expression"] and row["messages"][2]["content"] == task["answer"]
+    guess = next(r for r in rows if r not in calls)["messages"][-1]["content"]
+    assert guess.startswith("I think it is ")
+
+
+def test_replay_rows_are_mixed_in_at_their_share(monkeypatch):
+    from agentrl.jobs import retention, sft
+    from agentrl.trainers.sft import SFTConfig
+
+    replay = [{"messages": [{"role": "user", "content": f"general {i}"}, {"role": "assistant", "content": "ok"}]}
+              for i in range(5)]
+    monkeypatch.setattr(retention, "replay_demonstrations", lambda *a, **k: replay)
+    task_rows = [{"segments": [[f"task {i}", False], ["x", True]]} for i in range(60)]
+    mixed, name = sft.with_replay(task_rows, "demos", SFTConfig(replay_fraction=0.25), None, None, 48)
+    assert len(mixed) == 80 and name == "demos + 20 replay rows"
+    assert [r for r in mixed if "segments" in r] == task_rows  # task rows kept, in order
+    first_half = mixed[:40]
+    assert sum("messages" in r for r in first_half) == 10  # spread through the rows, not appended at the end
+    assert not set(GENERAL_PROMPTS) & set(REPLAY_PROMPTS) and len(set(REPLAY_PROMPTS)) == 50
+
+
+def test_retention_metrics_against_the_reference_itself_and_a_changed_policy():
+    reference, changed = tiny_llama(64, seed=0), tiny_llama(64, seed=1)
+    rows = [{"prompt": [1, 2, 3], "answer": [4, 5, 6, 7]}, {"prompt": [9, 8], "answer": [7]}]
+    ref_logprobs = _answer_logprobs(reference, rows)
+    same = retention_metrics(reference, rows, ref_logprobs)
+    other = retention_metrics(changed, rows, ref_logprobs)
+    assert same["kl"] == pytest.approx(0.0, abs=1e-6) and same["tokens"] == 5 and same["prompts"] == 2
+    assert other["kl"] > 0.001
+    manual = -sum(ref_logprobs[0][i, t].item() for i, t in enumerate([4, 5, 6, 7])) - ref_logprobs[1][0, 7].item()
+    assert same["nll"] == pytest.approx(manual / 5, abs=1e-4)
+
+
+def test_model_base_resolution(tmp_path, monkeypatch):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text("{}")
+    assert pretrained.resolve_model_dir(str(plain)) == str(plain)  # a model directory is used as it is
+    two = tmp_path / "two"
+    two.mkdir()
+    (two / "a.gguf").write_bytes(b"")
+    (two / "b.gguf").write_bytes(b"")
+    with pytest.raises(UserError, match=r"holds 2 GGUF files \(a\.gguf, b\.gguf\); name one of them"):
+        pretrained.resolve_model_dir(str(two))
+    monkeypatch.setitem(pretrained.PRESETS, "nowhere", pretrained.Preset("agentrl_no_such_package", "m.gguf",
+                                                                        "pip install nowhere", "a test preset"))
+    with pytest.raises(UserError, match=r"model\.base: 'nowhere' \(a test preset\) is not installed: pip install nowhere"):
+        pretrained.resolve_model_dir("nowhere")
+
+
+def test_stored_evaluation_is_reused_only_for_the_same_key_and_weights(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    key = eval_key(EnvSection(), 0, 48, 1.0, "bf16")
+    result = {"greedy": {"accuracy": 0.5}, "sampled": {"accuracy": 0.25}}
+    store_eval(str(tmp_path), key, result)
+    assert stored_eval(str(tmp_path), key) == result
+    assert stored_eval(str(tmp_path), eval_key(EnvSection(), 0, 48, 1.0, "no")) is None  # another precision
+    assert stored_eval(str(tmp_path), eval_key(EnvSection(eval_tasks=100), 0, 48, 1.0, "bf16")) is None
+    (tmp_path / "model.safetensors").write_bytes(b"other weights")  # the model changed since
+    assert stored_eval(str(tmp_path), key) is None
