@@ -91,6 +91,7 @@ def run_real(name: str, model_dir: str, out: Path, env: dict, dry_run: bool) -> 
     result = {"model_dir": model_dir, "config": config}
     for job, extra in (("sft", [f"model.base={model_dir}", f"out_dir={run_dir / 'sft'}"]),
                        ("ppo", [f"model.base={run_dir / 'sft' / 'model'}", f"out_dir={run_dir / 'ppo'}"])):
+        extra.append(f"retention_base={model_dir}")
         started = time.time()
         with (out / f"real-{name}-{job}.log").open("w") as f:
             code = subprocess.call([sys.executable, "-m", "agentrl.cli", job, "--config", config, "progress=false",

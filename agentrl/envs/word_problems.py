@@ -54,6 +54,9 @@ _PROBLEMS = [
      "{a} - {b} + {c}", {"a": (1000, 9999), "b": (100, 999), "c": (100, 999)}),
 ]
 
+# One-operation families twice as often as two-operation ones: about a quarter of the tasks need two operations.
+_WEIGHTS = [2 if expression.count(" ") == 2 else 1 for _, expression, _ in _PROBLEMS]
+
 
 def word_problem_tasks(n: int, seed: int = 0, split: str = "train", unique: bool = True) -> list[dict]:
     """`n` word problems of the given split: {"question", "answer", "expression"}."""
@@ -61,7 +64,7 @@ def word_problem_tasks(n: int, seed: int = 0, split: str = "train", unique: bool
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     rng, tasks, seen = random.Random(f"word-problems-{seed}-{split}"), [], set()
     while len(tasks) < n:
-        phrasings, expression, ranges = rng.choice(_PROBLEMS)
+        phrasings, expression, ranges = rng.choices(_PROBLEMS, _WEIGHTS)[0]
         numbers = {k: rng.randint(*ranges[k]) for k in ("a", "b", "c") if k in ranges}
         if "c" not in numbers:
             numbers["c"] = numbers["a"] * numbers["b"]  # the dividend of the exact division
