@@ -56,7 +56,8 @@ RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     **{name: (lambda x: x > 0, "must be > 0") for name in (
         "learning_rate", "norm_learning_rate", "value_learning_rate", "temperature")},
     **{name: (lambda x: x >= 1, "must be >= 1") for name in (
-        "max_new_tokens", "keep_checkpoints", "sample_every", "lora_r", "lora_alpha")},
+        "max_new_tokens", "keep_checkpoints", "sample_every", "lora_r", "lora_alpha", "max_context",
+        "max_observation_tokens")},
     **{name: (lambda x: x >= 0, "must be >= 0") for name in (
         "steps", "top_k", "checkpoint_every", "samples_per_step", "max_nonfinite_steps")},
     "top_p": (lambda x: 0 < x <= 1, "must be in (0, 1]"),

@@ -64,6 +64,10 @@ class RolloutSection:
     vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # vllm: its weights' dtype (auto:
     # model.dtype, so its logprobs match the trainer's as closely as the kernels allow)
     vllm_enforce_eager: bool = False  # vllm: no torch.compile / CUDA graphs (starts much faster, samples slower)
+    max_context: int | None = None  # tokens an episode may hold, prompt included; a turn or observation that
+    # would run past it ends the episode, marked truncated (None: the model's max_position_embeddings)
+    max_observation_tokens: int | None = None  # tokens one observation may add; a longer one ends the episode
+    # the same way (None: what the context has left)
 
 
 def resolve_config_path(name: str) -> Path:
@@ -178,13 +182,16 @@ class Run:
     eval_tasks: list[dict]
     max_new_tokens: int
     eval_seed: int
+    max_context: int | None = None  # rollout.max_context
+    max_observation_tokens: int | None = None  # rollout.max_observation_tokens
 
     def evaluate_both(self, model, temperature: float, mixed_precision: str = "no") -> dict:
         """Greedy and sampled metrics on the same held-out tasks and seed (under bf16 autocast with the training's
         mixed_precision "bf16": evaluation samples at the precision the policy trained at)."""
         from agentrl.jobs.evaluate import evaluate
 
-        kw = {"max_new_tokens": self.max_new_tokens, "seed": self.eval_seed, "mixed_precision": mixed_precision}
+        kw = {"max_new_tokens": self.max_new_tokens, "seed": self.eval_seed, "mixed_precision": mixed_precision,
+              "max_context": self.max_context, "max_observation_tokens": self.max_observation_tokens}
         return {"greedy": evaluate(model, self.tokenizer, self.env_factory, self.eval_tasks, True, **kw),
                 "sampled": evaluate(model, self.tokenizer, self.env_factory, self.eval_tasks, False, temperature, **kw)}
 
@@ -299,7 +306,8 @@ def prepare_run(model_cfg: ModelSection, env_cfg: EnvSection, rollout_cfg: Rollo
 
         base_dir = resolve_model_dir(base_dir)  # a preset or a GGUF: the converted directory (vLLM reads it too)
     model, tokenizer = load_base(base_dir, model_cfg)
-    return Run(base_dir, model, tokenizer, env_factory, eval_tasks, rollout_cfg.max_new_tokens, eval_seed)
+    return Run(base_dir, model, tokenizer, env_factory, eval_tasks, rollout_cfg.max_new_tokens, eval_seed,
+               rollout_cfg.max_context, rollout_cfg.max_observation_tokens)
 
 
 def norm_module_names(model) -> list[str]:

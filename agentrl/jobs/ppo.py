@@ -123,7 +123,9 @@ def run_job(config: JobConfig) -> dict:
         if remaining < 0:
             raise ValueError(f"steps={config.steps}, but the checkpoint resumed from is at step {trainer.current_step}")
         sampling = SamplingParams(max_new_tokens=max_new, temperature=algo_config.temperature,
-                                  top_k=config.rollout.top_k, top_p=config.rollout.top_p)
+                                  top_k=config.rollout.top_k, top_p=config.rollout.top_p,
+                                  max_context=config.rollout.max_context,
+                                  max_observation_tokens=config.rollout.max_observation_tokens)
         score_hook = None
         if config.reward.models:
             from agentrl.trainers.reward import RewardModelScorer

@@ -235,10 +235,28 @@ def summary_html(runs: list[dict]) -> str:
         facts.append(f"<li><b>{esc(r['name'])}</b> ({esc(r['dir'])}): {', '.join(bits) or 'no summary.json'}</li>")
     parts.append(f'<ul class="facts">{"".join(facts)}</ul>')
     for r in runs:
+        parts.append(retention_html(r))
+    for r in runs:
         if r["summary"].get("config"):
             parts.append(f"<details><summary>config of {esc(r['name'])}</summary><pre>"
                          f"{esc(json.dumps(r['summary']['config'], indent=2))}</pre></details>")
     return "\n".join(parts)
+
+
+def retention_html(run: dict) -> str:
+    """What the model knew (summary "retention", jobs/retention.py): the reference's answers to general prompts
+    scored under the reference, the policy before and after training; empty when the run did not measure it."""
+    ret = run["summary"].get("retention")
+    if not isinstance(ret, dict):
+        return ""
+    cells = [(label, ret.get(key)) for label, key in (("reference", "reference"), ("before training", "before"),
+                                                      ("after training", "after"))]
+    rows = "".join(f"<tr><td>{esc(label)}</td><td>{_fmt((m or {}).get('nll'))}</td><td>{_fmt((m or {}).get('kl'))}</td>"
+                   f"</tr>" for label, m in cells if isinstance(m, dict))
+    rise = _number(ret.get("nll_rise"))
+    note = f"NLL of the reference's answers rose by {rise:.1%} from the reference" if rise is not None else ""
+    return (f'<table class="sum"><tr><th>general prompts ({esc(run["name"])}): the reference\'s own answers</th>'
+            f"<th>NLL per token</th><th>KL to the reference</th></tr>{rows}</table><p>{esc(note)}</p>")
 
 
 def verdict(ep: dict) -> str:

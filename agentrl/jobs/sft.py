@@ -88,7 +88,8 @@ def run_sft_job(config: JobConfig) -> dict:
                    "train_seconds": round(time.time() - train_started, 1)}
     model, tokenizer = load_base(str(model_dir))
     retention = retention_after(retention, out, fingerprint, model)
-    run = Run(str(model_dir), model, tokenizer, env_factory, eval_tasks, config.rollout.max_new_tokens, config.eval_seed)
+    run = Run(str(model_dir), model, tokenizer, env_factory, eval_tasks, config.rollout.max_new_tokens, config.eval_seed,
+              config.rollout.max_context, config.rollout.max_observation_tokens)
     # At the precision PPO will train and evaluate at (ppo.mixed_precision), so that its `before` is this one.
     after = run.evaluate_both(model, config.ppo.temperature, config.ppo.mixed_precision)
     store_eval(str(model_dir), eval_key(config.env, config.eval_seed, config.rollout.max_new_tokens,

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from agentrl.envs.base import Environment, check_attributes, checked_reset, checked_step
+from agentrl.errors import UserError
 from agentrl.rollout.sampling import KVState, Sample, SamplingParams, sample_batch
 
 STEP_WORKERS = 16  # threads stepping environments that allow it (concurrent_steps)
@@ -76,6 +77,12 @@ def rollout(
     observation tokens), so the trainer needs no forward pass for them.
     sampler: another sampler of each turn, with sample_batch's arguments after `model` and whole contexts
     (rollout/vllm_backend.py's VLLMRollout.sample); it keeps no values and no KV cache of ours.
+
+    Context budgets (params.max_context, default the model's max_position_embeddings; params.max_observation_tokens):
+    a prompt over the context is an error naming the task; a turn stops where the context is full, and an
+    observation over its budget is not appended: either way the episode ends there, truncated, with
+    info["context_exceeded"] (counted as env/context_cut_rate). With `sampler`, turns run to max_new_tokens
+    (vLLM bounds them by its own max_model_len).
     """
     episodes: list[Episode] = []
     for start in range(0, len(tasks), batch_size):
@@ -96,16 +103,33 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
     # Chat environments must see the turn-end marker they sampled (a special token) to append the next
     # segment exactly after it; every other environment gets plain text.
     skip_special = not getattr(envs[0], "keep_special_tokens", False) if envs else True
+    limit = context_limit(model, params)
     episodes = []
-    for env, task in zip(envs, tasks):
+    for k, (env, task) in enumerate(zip(envs, tasks)):
         prompt = checked_reset(env, task)
+        if limit is not None and len(prompt) > _MAX_CHARS_PER_TOKEN * limit:  # not worth tokenizing
+            raise ContextError(f"task {k} ({str(task.get('question', task))[:60]!r}): its prompt is {len(prompt)} "
+                               f"characters, far over the {limit} tokens an episode may hold (rollout.max_context)")
         episodes.append(Episode(task=task, prompt_ids=encode_prompt(tokenizer, prompt),
                                 values=[] if value_head is not None else None))
+        if limit is not None and len(episodes[-1].prompt_ids) >= limit:
+            raise ContextError(f"task {k} ({str(task.get('question', task))[:60]!r}): its prompt is "
+                               f"{len(episodes[-1].prompt_ids)} tokens, and an episode may hold {limit} "
+                               f"(rollout.max_context; default: the model's max_position_embeddings)")
     max_turns = envs[0].max_turns if envs else 0
     stop_patterns = tuple(envs[0].stop_patterns) if envs else ()
     kv, cached, previous = (KVState() if REUSE_KV and sampler is None else None), [0] * len(episodes), []
     for turn in range(max_turns):
         live = [i for i, ep in enumerate(episodes) if not ep.done]
+        rooms = None
+        if limit is not None:  # tokens each live episode may still sample before its context is full
+            rooms = [limit - len(episodes[i].prompt_ids) - len(episodes[i].token_ids) for i in live]
+            for i, room in zip(live, rooms):
+                if room < 1:
+                    _cut(episodes[i])
+            rooms = [room for room in rooms if room >= 1]
+            live = [i for i in live if not episodes[i].done]
+            rooms = rooms if rooms and min(rooms) < params.max_new_tokens else None
         if not live:
             break
         contexts = [episodes[i].prompt_ids + episodes[i].token_ids for i in live]
@@ -118,7 +142,7 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
         else:
             samples = sample_batch(model, contexts, params, tokenizer.eos_token_id, tokenizer.pad_token_id,
                                    tokenizer=tokenizer, stop_patterns=stop_patterns, generator=generator,
-                                   value_head=value_head, kv=kv)
+                                   value_head=value_head, kv=kv, room=rooms)
         previous = live
         actions = [tokenizer.decode(sample.ids, skip_special_tokens=skip_special) for sample in samples]
         results = _step_all([envs[i] for i in live], actions)
@@ -137,18 +161,56 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
             # EOS ends the episode, whatever the environment would allow, unless the environment says its
             # turns end with that token (chat templates whose end-of-turn token is the EOS).
             ep.done = result.done or (sample.finish == "eos" and eos_ends) or turn == max_turns - 1
+            if sample.finish == "context":
+                _cut(ep)
             if not ep.done and result.observation:
-                obs_ids = tokenizer(result.observation, add_special_tokens=False)["input_ids"]
-                ep.token_ids += obs_ids
-                ep.loss_mask += [0] * len(obs_ids)
-                ep.logprobs += [0.0] * len(obs_ids)
-                if ep.values is not None:
-                    ep.values += [0.0] * len(obs_ids)
+                obs_ids = _observation_ids(tokenizer, result.observation, ep, limit, params.max_observation_tokens)
+                if obs_ids is None:  # over its budget: the episode ends here, marked, instead of overflowing
+                    _cut(ep)
+                else:
+                    ep.token_ids += obs_ids
+                    ep.loss_mask += [0] * len(obs_ids)
+                    ep.logprobs += [0.0] * len(obs_ids)
+                    if ep.values is not None:
+                        ep.values += [0.0] * len(obs_ids)
     for ep, env in zip(episodes, envs):  # so preference rows can be written as messages, not template text
         if getattr(env, "messages", None) is not None:
             ep.messages, ep.tools = list(env.messages), getattr(env, "schemas", None)
             ep.chat_template_kwargs = getattr(env, "chat_template_kwargs", None) or None
     return episodes
+
+
+class ContextError(UserError):
+    """A prompt longer than the context an episode may hold."""
+
+
+# No tokenizer writes more characters than this per token in practice; text longer than this many characters
+# per token of its budget is over it without being tokenized (a 10 MB observation costs nothing to refuse).
+_MAX_CHARS_PER_TOKEN = 64
+
+
+def context_limit(model, params: SamplingParams) -> int | None:
+    """The tokens an episode may hold, prompt included: params.max_context, else the model's positions."""
+    if params.max_context is not None:
+        return params.max_context
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
+def _cut(ep: Episode) -> None:
+    """End an episode at its context budget: done, truncated, and counted (info "context_exceeded")."""
+    ep.done = ep.truncated = True
+    ep.info = {**ep.info, "context_exceeded": True}
+
+
+def _observation_ids(tokenizer, text: str, ep: Episode, limit: int | None, max_tokens: int | None) -> list[int] | None:
+    """The observation's ids, or None when it does not fit: over max_observation_tokens, or leaving the episode
+    no room for one more sampled token."""
+    budget = min(max_tokens if max_tokens is not None else float("inf"),
+                 limit - len(ep.prompt_ids) - len(ep.token_ids) - 1 if limit is not None else float("inf"))
+    if len(text) > _MAX_CHARS_PER_TOKEN * budget:
+        return None
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids if len(ids) <= budget else None
 
 
 def _step_all(envs: list, actions: list[str]) -> list:
@@ -176,5 +238,6 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
         "env/mean_turns": sum(ep.num_turns for ep in episodes) / n,
         "env/mean_score": sum(ep.score for ep in episodes) / n,
         "env/truncation_rate": sum(ep.truncated for ep in episodes) / n,
+        "env/context_cut_rate": sum(bool(i.get("context_exceeded")) for i in info) / n,
         "env/mean_response_length": sum(sum(ep.loss_mask) for ep in episodes) / n,
     }

@@ -25,13 +25,17 @@ class SamplingParams:
     top_p: float = 1.0
     do_sample: bool = True
     min_new_tokens: int = 0  # EOS is suppressed before this many tokens
+    # Context budgets of a rollout (rollout/engine.py): tokens an episode may hold, prompt included (None: the
+    # model's max_position_embeddings), and tokens one observation may add (None: what the context has left).
+    max_context: int | None = None
+    max_observation_tokens: int | None = None
 
 
 @dataclass
 class Sample:
     ids: list[int]  # sampled token ids, EOS included when sampled
     logprobs: list[float]  # log pi(id | prefix) under logits / temperature
-    finish: str  # "eos", "stop" (a stop pattern matched) or "length"
+    finish: str  # "eos", "stop" (a stop pattern matched), "length" (max_new_tokens) or "context" (room, below)
     values: list[float] | None = None  # value_head's value at the position predicting each id (PPO), if asked
 
 
@@ -117,6 +121,7 @@ def sample_batch(
     generator: torch.Generator | None = None,
     value_head: torch.nn.Module | None = None,
     kv: KVState | None = None,
+    room: list[int] | None = None,
 ) -> list[Sample]:
     """Continue each context until EOS, a stop pattern in this turn's text, or `max_new_tokens`.
 
@@ -126,6 +131,8 @@ def sample_batch(
     kv: with a cache in it, `contexts` are only each row's new tokens (its last sampled token, then what the
     environment appended), run on top of that cache instead of re-prefilling the whole context; either way
     the cache of this call is left in it for the next turn.
+    room: per row, the most tokens it may sample before its context is full (finish "context"), if fewer
+    than max_new_tokens.
     """
     if not contexts:
         return []
@@ -197,6 +204,8 @@ def sample_batch(
                 s.finish, active[i] = "eos", False
             elif compiled and any(p.search(tokenizer.decode(s.ids)) for p in compiled):
                 s.finish, active[i] = "stop", False
+            elif room is not None and len(s.ids) >= room[i]:  # the model's positions are used up
+                s.finish, active[i] = "context", False
         if not active.any() or n_new == params.max_new_tokens - 1:  # the last tokens are not fed: nothing reads it
             break
         tokens = torch.where(active, tokens, torch.full_like(tokens, pad_token_id))

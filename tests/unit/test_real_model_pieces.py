@@ -134,3 +134,16 @@ def test_stored_evaluation_is_reused_only_for_the_same_key_and_weights(tmp_path)
     assert stored_eval(str(tmp_path), eval_key(EnvSection(eval_tasks=100), 0, 48, 1.0, "bf16")) is None
     (tmp_path / "model.safetensors").write_bytes(b"other weights")  # the model changed since
     assert stored_eval(str(tmp_path), key) is None
+
+
+def test_report_shows_retention_escaped():
+    from agentrl.jobs.report import retention_html
+
+    run = {"name": "<b>run</b>", "summary": {"retention": {"reference": {"nll": 0.7, "kl": 0.0},
+                                                           "before": {"nll": 0.8, "kl": 0.1},
+                                                           "after": {"nll": 0.77, "kl": "<script>"},
+                                                           "nll_rise": 0.1}}}
+    html = retention_html(run)
+    assert "&lt;b&gt;run&lt;/b&gt;" in html and "<script>" not in html and "rose by 10.0%" in html
+    assert "<td>after training</td><td>0.770</td>" in html
+    assert retention_html({"name": "x", "summary": {}}) == ""
