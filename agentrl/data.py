@@ -28,7 +28,15 @@ def jsonl_rows(path: str | Path) -> list[tuple[str, object]]:
     if not path.is_file():
         raise UserError(f"{path}: file does not exist")
     rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+    # Lines split on bytes (\n, \r\n) and decoded one by one: a line that is not UTF-8 is named like a line that
+    # is not JSON, and a U+2028 inside a JSON string does not split its line.
+    for lineno, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8").removeprefix("\ufeff" if lineno == 1 else "")
+        except UnicodeDecodeError as e:
+            rows.append((f"{path}:{lineno}", UserError(f"{path}:{lineno}: not UTF-8 text (byte {e.start + 1} of the "
+                                                       f"line is {raw[e.start:e.start + 1]!r})")))
+            continue
         if line.strip():
             try:
                 rows.append((f"{path}:{lineno}", json.loads(line)))

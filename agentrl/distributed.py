@@ -76,6 +76,11 @@ def make_accelerator(**kwargs):
     """An Accelerator on the process group of partial_state() (the CPU under torchrun without a GPU)."""
     from accelerate import Accelerator
 
+    from agentrl.errors import UserError
+
+    if kwargs.get("mixed_precision") == "fp16" and not torch.cuda.is_available():
+        raise UserError("mixed_precision: fp16 needs a CUDA GPU and this machine has none; use bf16 (CPUs with "
+                        "AVX512-BF16 run it natively) or no")
     if _wants_cpu():
         kwargs.setdefault("cpu", True)
         if _sharding_on_cpu() == "FSDP":

@@ -44,7 +44,11 @@ def read_preference_rows(source) -> tuple[list[dict], str]:
         return read_jsonl(path), str(path)
     import datasets
 
-    ds = datasets.load_from_disk(str(path)) if path.is_dir() else datasets.load_dataset(str(source), split="train")
+    try:
+        ds = datasets.load_from_disk(str(path)) if path.is_dir() else datasets.load_dataset(str(source), split="train")
+    except Exception as e:  # noqa: BLE001 - a typo in a path must not read as a hub error (or a traceback)
+        raise PreferenceDataError(f"{source}: no such file, and not a dataset that `datasets` can load "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"[:400]) from None
     if isinstance(ds, datasets.DatasetDict):
         ds = ds["train"]
     return [dict(r) for r in ds], str(source)

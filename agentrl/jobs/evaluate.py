@@ -53,11 +53,22 @@ def load_policy(model_dir: str, adapter_dir: str | None = None, **load_kwargs):
     from agentrl.models.pretrained import resolve_model_dir
 
     model_dir = resolve_model_dir(model_dir)  # a preset name or a GGUF file: its converted directory
+    from safetensors import SafetensorError
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, **load_kwargs)
-    except (OSError, ValueError, ImportError) as e:  # no such directory, or no model / tokenizer files in it
+    except (OSError, ValueError, ImportError, SafetensorError) as e:  # no such directory, no or truncated files
         raise UserError(f"{model_dir}: cannot load a model and its tokenizer ({str(e).splitlines()[0]})") from None
+    if tokenizer.eos_token_id is None:
+        raise UserError(f"{model_dir}: its tokenizer has no EOS token, so no episode could end; set eos_token in "
+                        f"its tokenizer_config.json")
+    if tokenizer.pad_token_id is None:  # padding only: masks never come from pad ids
+        tokenizer.pad_token = tokenizer.eos_token
+    vocab = model.get_input_embeddings().num_embeddings
+    if vocab < len(tokenizer):
+        raise UserError(f"{model_dir}: the model's vocabulary ({vocab} embeddings) is smaller than its tokenizer's "
+                        f"({len(tokenizer)} tokens); ids past {vocab - 1} would fail (resize_token_embeddings)")
     if adapter_dir:
         from peft import PeftModel
 

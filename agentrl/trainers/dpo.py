@@ -23,6 +23,7 @@ import torch
 from accelerate.utils import set_seed
 
 from agentrl.algos.dpo import dpo_loss
+from agentrl.errors import UserError
 from agentrl.preferences import PreferenceExample, load_preferences
 from agentrl.trainers.common import (MetricsLog, build_batch, finite_or_raise, guarded_step, load_trainer_state,
                                      make_accelerator, masked_logprobs, mean_over_processes, norm_gain_parameters,
@@ -110,7 +111,7 @@ class DPOTrainer:
                 setattr(config, key, value)
         self.config = config
         if config.fp16 and not torch.cuda.is_available():
-            raise ValueError("fp16=True needs a CUDA GPU and none is available; set fp16=False (or bf16=True)")
+            raise UserError("dpo.fp16: fp16 needs a CUDA GPU and none is available; set fp16=False (or bf16=True)")
         if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
             if not torch.cuda.is_available():
                 raise ValueError("4-/8-bit quantized models need a CUDA GPU; load the model without load_in_4bit")

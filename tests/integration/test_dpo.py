@@ -54,7 +54,7 @@ def test_the_guides_dpo_snippet_runs(tiny_base, tmp_path):
 def test_fp16_on_cpu_is_one_clear_error(tiny_base):
     from agentrl import DPOConfig, DPOTrainer
 
-    with pytest.raises(ValueError, match="fp16=True needs a CUDA GPU"):
+    with pytest.raises(ValueError, match="dpo.fp16: fp16 needs a CUDA GPU"):
         DPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_base), args=DPOConfig(fp16=True),
                    train_dataset=ROWS, tokenizer=AutoTokenizer.from_pretrained(tiny_base))
 
