@@ -163,6 +163,7 @@ def warn_if_approx_kl_explodes(approx_kl: float, config: PPOConfig, step: int) -
     """A warning when one update moved the policy far outside PPO's trust region: a healthy LLM PPO step has
     an approx-KL of 0.001-0.05 (Huang et al. 2024). A pretrained model given the embedded model's learning
     rates had 2.98 at its first step and forgot the task by the second, with no other sign in the log."""
+    approx_kl = float(np.max(np.asarray(approx_kl, dtype=float)))  # several processes: one value per process
     if config.approx_kl_warning is not None and not approx_kl <= config.approx_kl_warning:
         warnings.warn(f"PPO step {step}: approx-KL {approx_kl:.3g} between the rollout policy and the updated one "
                       f"exceeds ppo.approx_kl_warning={config.approx_kl_warning:g}: the update left PPO's trust "

@@ -5,6 +5,7 @@ resolution and the stored evaluation a PPO job starts from."""
 import random
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -52,9 +53,12 @@ def test_approx_kl_warning():
         warn_if_approx_kl_explodes(2.98, config, 3)
     with pytest.warns(UserWarning, match="approx-KL nan"):
         warn_if_approx_kl_explodes(float("nan"), config, 1)
+    with pytest.warns(UserWarning, match="approx-KL 0.7"):  # several processes: one value each, gathered
+        warn_if_approx_kl_explodes(np.array([0.01, 0.7]), config, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_if_approx_kl_explodes(0.02, config, 1)
+        warn_if_approx_kl_explodes(np.array([0.01, 0.02]), config, 1)
         warn_if_approx_kl_explodes(5.0, PPOConfig(batch_size=2, mini_batch_size=2, approx_kl_warning=None), 1)
 
 
