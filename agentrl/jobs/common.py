@@ -203,11 +203,12 @@ class Run:
 EVAL_FILE = "agentrl_eval.json"  # a model directory's own held-out evaluation, written by the job that made it
 
 
-def eval_key(env_cfg: EnvSection, eval_seed: int, max_new_tokens: int, temperature: float,
+def eval_key(env_cfg: EnvSection, eval_seed: int, rollout_cfg: RolloutSection, temperature: float,
              mixed_precision: str = "no") -> dict:
-    """What a held-out evaluation depends on besides the weights."""
+    """What a held-out evaluation depends on besides the weights (the rollout's lengths and budgets included)."""
     env = {k: v for k, v in to_dict(env_cfg).items() if k not in ("demonstrations", "train_tasks")}
-    return {"env": env, "eval_seed": eval_seed, "max_new_tokens": max_new_tokens, "temperature": temperature,
+    lengths = {k: getattr(rollout_cfg, k) for k in ("max_new_tokens", "max_context", "max_observation_tokens")}
+    return {"env": env, "eval_seed": eval_seed, **lengths, "temperature": temperature,
             "mixed_precision": mixed_precision}
 
 

@@ -90,7 +90,8 @@ def run_job(config: JobConfig) -> dict:
         algo_config = config.ppo if config.algo == "ppo" else config.grpo
         train_tasks = run.train_tasks(config.env.tasks, config.env.train_tasks, algo_config.seed)
         max_new = config.rollout.max_new_tokens
-        key = eval_key(config.env, config.eval_seed, max_new, algo_config.temperature, algo_config.mixed_precision)
+        key = eval_key(config.env, config.eval_seed, config.rollout, algo_config.temperature,
+                       algo_config.mixed_precision)
         precision = algo_config.mixed_precision
         before = cached_eval(out, "before", fingerprint, lambda: stored_eval(run.base_dir, key)
                              or run.evaluate_both(model, algo_config.temperature, precision))

@@ -92,7 +92,7 @@ def run_sft_job(config: JobConfig) -> dict:
               config.rollout.max_context, config.rollout.max_observation_tokens)
     # At the precision PPO will train and evaluate at (ppo.mixed_precision), so that its `before` is this one.
     after = run.evaluate_both(model, config.ppo.temperature, config.ppo.mixed_precision)
-    store_eval(str(model_dir), eval_key(config.env, config.eval_seed, config.rollout.max_new_tokens,
+    store_eval(str(model_dir), eval_key(config.env, config.eval_seed, config.rollout,
                                         config.ppo.temperature, config.ppo.mixed_precision), after)
     summary = {"after": after["greedy"], "after_sampled": after["sampled"], "algo": "sft", "steps": sft.steps,
                **trained, "eval_tasks": len(eval_tasks), "wall_seconds": round(time.time() - started, 1),

@@ -14,7 +14,7 @@ from agentrl import PPOConfig
 from agentrl.envs import word_problem_demonstration, word_problem_tasks
 from agentrl.envs.safe_eval import format_number, safe_eval
 from agentrl.errors import UserError
-from agentrl.jobs.common import EnvSection, eval_key, store_eval, stored_eval
+from agentrl.jobs.common import EnvSection, RolloutSection, eval_key, store_eval, stored_eval
 from agentrl.jobs.retention import GENERAL_PROMPTS, REPLAY_PROMPTS, retention_metrics, _answer_logprobs
 from agentrl.models import pretrained
 from agentrl.trainers.ppo import warn_if_approx_kl_explodes
@@ -130,12 +130,13 @@ def test_model_base_resolution(tmp_path, monkeypatch):
 
 def test_stored_evaluation_is_reused_only_for_the_same_key_and_weights(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"weights")
-    key = eval_key(EnvSection(), 0, 48, 1.0, "bf16")
+    key = eval_key(EnvSection(), 0, RolloutSection(), 1.0, "bf16")
     result = {"greedy": {"accuracy": 0.5}, "sampled": {"accuracy": 0.25}}
     store_eval(str(tmp_path), key, result)
     assert stored_eval(str(tmp_path), key) == result
-    assert stored_eval(str(tmp_path), eval_key(EnvSection(), 0, 48, 1.0, "no")) is None  # another precision
-    assert stored_eval(str(tmp_path), eval_key(EnvSection(eval_tasks=100), 0, 48, 1.0, "bf16")) is None
+    assert stored_eval(str(tmp_path), eval_key(EnvSection(), 0, RolloutSection(), 1.0, "no")) is None  # precision
+    assert stored_eval(str(tmp_path), eval_key(EnvSection(eval_tasks=100), 0, RolloutSection(), 1.0, "bf16")) is None
+    assert stored_eval(str(tmp_path), eval_key(EnvSection(), 0, RolloutSection(max_context=128), 1.0, "bf16")) is None
     (tmp_path / "model.safetensors").write_bytes(b"other weights")  # the model changed since
     assert stored_eval(str(tmp_path), key) is None
 
