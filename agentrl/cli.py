@@ -77,7 +77,7 @@ def _cmd_preferences(args) -> int:
 
     print(json.dumps(run_preferences(args.model, args.adapter, args.env, args.env_kwargs, args.task_source, args.tasks,
                                      args.seed, args.split, args.samples, args.temperature, args.max_new_tokens,
-                                     args.out)))
+                                     args.out, tasks_kwargs=args.tasks_kwargs)))
     return 0
 
 
@@ -94,7 +94,7 @@ def _cmd_compare(args) -> int:
 
     samples_path = args.samples_out or (str(Path(args.out).with_name("samples.jsonl")) if args.out else None)
     result = run_compare(args.a, args.b, args.env, args.env_kwargs, args.task_source, args.tasks, args.seed, args.judge,
-                         args.sample, args.max_new_tokens, args.out, samples_path)
+                         args.sample, args.max_new_tokens, args.out, samples_path, tasks_kwargs=args.tasks_kwargs)
     low, high = result["ci95"]
     print(f"A: {args.a}\nB: {args.b}\njudge: {args.judge}, {result['n']} tasks")
     print(f"A wins {result['wins']}, ties {result['ties']}, losses {result['losses']}; "
@@ -122,7 +122,7 @@ def _cmd_eval(args) -> int:
     from agentrl.jobs.evaluate import run_eval
 
     metrics = run_eval(args.model, args.adapter, args.env, args.env_kwargs, args.task_source, args.tasks, args.seed,
-                       args.sample, args.temperature, args.max_new_tokens, args.out)
+                       args.sample, args.temperature, args.max_new_tokens, args.out, tasks_kwargs=args.tasks_kwargs)
     print(json.dumps(metrics, indent=2))
     return 0
 
@@ -172,6 +172,7 @@ def _env_arguments(p: argparse.ArgumentParser, tasks: int) -> None:
     p.add_argument("--env", default="agentrl.envs:CalculatorEnv", help="module:Class of the environment")
     p.add_argument("--env-kwargs", default=None, help="JSON object passed to the environment")
     p.add_argument("--task-source", default="agentrl.envs:calculator_tasks", help="module:function or .jsonl")
+    p.add_argument("--tasks-kwargs", default=None, help="JSON object of more keyword arguments of the task function")
     p.add_argument("--tasks", type=_at_least_one, default=tasks)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=_at_least_one, default=48)

@@ -17,8 +17,9 @@ Optional, for environments that render through the tokenizer (ToolEnv in chat fo
 `bind_tokenizer(tokenizer)` the engine calls before `reset`; `keep_special_tokens = True` to get each turn's
 text with its special tokens (the sampled turn-end marker); `eos_ends_episode = False` when EOS only ends a turn.
 
-Tasks come from a function next to the environment, `my_tasks(n: int, seed: int, split: str) -> list[dict]`
-(split "train" or "eval"; a task's "question" key, when it has one, identifies it for the held-out split).
+Tasks come from a function next to the environment, `my_tasks(n: int, seed: int, split: str, **kw) -> list[dict]`
+(split "train" or "eval"; a task's "question" key, when it has one, identifies it for the held-out split; `kw`
+are the config's env.tasks_kwargs, e.g. the name of a dataset or a game).
 Demonstrations for SFT (`env.demonstrations: module:function`, agentrl/trainers/sft.py) come from a function
 `my_demonstrations(task: dict, rng: random.Random) -> dict` returning one row for that task:
 
@@ -98,14 +99,18 @@ def load_object(spec: str) -> Any:
         raise ValueError(f"cannot load {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
 
 
-def load_tasks(spec: str, n: int, seed: int, split: str) -> list[dict]:
-    """Tasks from a `module:function(n, seed, split)` or a JSONL file (its rows of this split, see data.py)."""
+def load_tasks(spec: str, n: int, seed: int, split: str, kwargs: dict | None = None) -> list[dict]:
+    """Tasks from a `module:function(n, seed, split, **kwargs)` or a JSONL file (its rows of this split, see
+    data.py). `kwargs` (env.tasks_kwargs) name what the function draws from: a dataset, a game, a server."""
     if spec.endswith(".jsonl"):
+        if kwargs:
+            raise ValueError(f"env.tasks_kwargs {kwargs} given, but the tasks come from the file {spec}")
         from agentrl.data import read_task_split
 
         return read_task_split(spec, split)[:n]
-    where = f"{spec}({n}, seed={seed}, split={split!r})"
-    tasks = _user_call(load_object(spec), where, n, seed=seed, split=split)
+    extra = "".join(f", {k}={v!r}" for k, v in (kwargs or {}).items())
+    where = f"{spec}({n}, seed={seed}, split={split!r}{extra})"
+    tasks = _user_call(load_object(spec), where, n, seed=seed, split=split, **(kwargs or {}))
     if not isinstance(tasks, (list, tuple)):
         raise EnvironmentContractError(f"{where} must return a list of task dicts, returned {_shown(tasks)}")
     for i, task in enumerate(tasks):

@@ -4,7 +4,7 @@ and the `Run` a job starts from (base model, tokenizer, environment factory, hel
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -44,6 +44,7 @@ class EnvSection:
     name: str = "agentrl.envs:CalculatorEnv"  # "module:Class" of the environment
     kwargs: dict = field(default_factory=dict)  # passed to the environment's constructor
     tasks: str = "agentrl.envs:calculator_tasks"  # "module:function(n, seed, split)" or a .jsonl file
+    tasks_kwargs: dict = field(default_factory=dict)  # more keyword arguments of that function (a dataset's name)
     demonstrations: str | None = None  # "module:function(task, rng)" returning one demonstration row
     # (trainers/sft.py), drawn over the training tasks: `agentrl sft`'s data, and the embedded model's
     train_tasks: int = 4000  # training tasks drawn (split "train")
@@ -95,7 +96,7 @@ def environment_factory(env_cfg: EnvSection):
 
 def tasks_of(env_cfg: EnvSection, n: int, seed: int, split: str) -> list[dict]:
     try:
-        return load_tasks(env_cfg.tasks, n, seed, split)
+        return load_tasks(env_cfg.tasks, n, seed, split, env_cfg.tasks_kwargs)
     except UserError:
         raise
     except ValueError as e:  # the spec does not load
@@ -195,9 +196,9 @@ class Run:
         return {"greedy": evaluate(model, self.tokenizer, self.env_factory, self.eval_tasks, True, **kw),
                 "sampled": evaluate(model, self.tokenizer, self.env_factory, self.eval_tasks, False, temperature, **kw)}
 
-    def train_tasks(self, spec: str, n: int, seed: int) -> list[dict]:
-        """Training tasks of `spec` with every held-out task removed (see training_tasks)."""
-        return training_tasks(EnvSection(tasks=spec, train_tasks=n), seed, self.eval_tasks)
+    def train_tasks(self, env_cfg: EnvSection, n: int, seed: int) -> list[dict]:
+        """`n` training tasks of env_cfg's task source with every held-out task removed (see training_tasks)."""
+        return training_tasks(replace(env_cfg, train_tasks=n), seed, self.eval_tasks)
 
 
 EVAL_FILE = "agentrl_eval.json"  # a model directory's own held-out evaluation, written by the job that made it

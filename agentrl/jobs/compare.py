@@ -84,14 +84,14 @@ def compare(spec_a: str, spec_b: str, env_factory, tasks: list[dict], judge: str
 
 def run_compare(a: str, b: str, env: str, env_kwargs: str | None, task_source: str, tasks: int, seed: int,
                 judge: str, sample: bool, max_new_tokens: int, out: str | None,
-                samples_path: str | None = None) -> dict:
+                samples_path: str | None = None, tasks_kwargs: str | None = None) -> dict:
     """`agentrl compare`: held-out tasks of `task_source`, compared, written to `out` if set; the A/B episodes
     to `samples_path` (for `agentrl report`)."""
     from agentrl.checkpoint import write_json
     from agentrl.envs.base import load_tasks, make_env
 
     kwargs = json.loads(env_kwargs) if env_kwargs else {}
-    task_list = load_tasks(task_source, tasks, seed, "eval")
+    task_list = load_tasks(task_source, tasks, seed, "eval", json.loads(tasks_kwargs) if tasks_kwargs else None)
     result = compare(a, b, lambda: make_env(env, kwargs), task_list, judge, greedy=not sample,
                      max_new_tokens=max_new_tokens, seed=seed, samples_path=samples_path)
     if out:

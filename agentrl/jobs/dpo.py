@@ -124,7 +124,7 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
             finish_trackers(trainer.accelerator)
             job["total_pairs"], job["steps"] = len(trainer.examples), trainer.total_steps
         else:
-            cycler = live["cycler"] = TaskCycler(run.train_tasks(config.env.tasks, config.env.train_tasks,
+            cycler = live["cycler"] = TaskCycler(run.train_tasks(config.env, config.env.train_tasks,
                                                                  dpo_cfg.seed), dpo_cfg.seed)
             if job["cycler"] is not None:
                 cycler.load_state_dict(job["cycler"])

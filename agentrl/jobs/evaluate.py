@@ -80,7 +80,8 @@ def load_policy(model_dir: str, adapter_dir: str | None = None, **load_kwargs):
 
 
 def run_eval(model: str, adapter: str | None, env: str, env_kwargs: str | None, task_source: str, tasks: int,
-             seed: int, sample: bool, temperature: float, max_new_tokens: int, out: str | None) -> dict:
+             seed: int, sample: bool, temperature: float, max_new_tokens: int, out: str | None,
+             tasks_kwargs: str | None = None) -> dict:
     """`agentrl eval`: metrics of a saved model (and adapter) on `tasks` held-out tasks, written to `out` if set."""
     from agentrl.checkpoint import write_json
     from agentrl.distributed import is_main_process
@@ -88,7 +89,7 @@ def run_eval(model: str, adapter: str | None, env: str, env_kwargs: str | None, 
 
     policy, tokenizer = load_policy(model, adapter)
     kwargs = json.loads(env_kwargs) if env_kwargs else {}
-    task_list = load_tasks(task_source, tasks, seed, "eval")
+    task_list = load_tasks(task_source, tasks, seed, "eval", json.loads(tasks_kwargs) if tasks_kwargs else None)
     metrics = evaluate(policy, tokenizer, lambda: make_env(env, kwargs), task_list, greedy=not sample,
                        temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
     if out and is_main_process():

@@ -88,7 +88,7 @@ def run_job(config: JobConfig) -> dict:
         run = prepare_run(config.model, config.env, config.rollout, config.eval_seed, config.progress, config.sft)
         model, tokenizer, env_factory, eval_tasks = run.model, run.tokenizer, run.env_factory, run.eval_tasks
         algo_config = config.ppo if config.algo == "ppo" else config.grpo
-        train_tasks = run.train_tasks(config.env.tasks, config.env.train_tasks, algo_config.seed)
+        train_tasks = run.train_tasks(config.env, config.env.train_tasks, algo_config.seed)
         max_new = config.rollout.max_new_tokens
         key = eval_key(config.env, config.eval_seed, config.rollout, algo_config.temperature,
                        algo_config.mixed_precision)

@@ -16,7 +16,8 @@ def sample_pairs(model, tokenizer, env_factory, tasks: list[dict], samples: int,
     return pairs, ties, [pair_to_row(b, w, tokenizer) for b, w in pairs]
 
 def run_preferences(model: str, adapter: str | None, env: str, env_kwargs: str | None, task_source: str, tasks: int,
-                    seed: int, split: str, samples: int, temperature: float, max_new_tokens: int, out: str) -> dict:
+                    seed: int, split: str, samples: int, temperature: float, max_new_tokens: int, out: str,
+                    tasks_kwargs: str | None = None) -> dict:
     import torch
 
     from agentrl.checkpoint import write_jsonl
@@ -27,7 +28,7 @@ def run_preferences(model: str, adapter: str | None, env: str, env_kwargs: str |
     torch.manual_seed(seed)
     policy, tokenizer = load_policy(model, adapter)
     kwargs = json.loads(env_kwargs) if env_kwargs else {}
-    task_list = load_tasks(task_source, tasks, seed, split)
+    task_list = load_tasks(task_source, tasks, seed, split, json.loads(tasks_kwargs) if tasks_kwargs else None)
     pairs, ties, rows = sample_pairs(policy, tokenizer, lambda: make_env(env, kwargs), task_list, samples,
                                      SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature))
     write_jsonl(out, rows)
