@@ -12,7 +12,7 @@ _LAZY = {
     "GRPOConfig": "agentrl.trainers.grpo",
     "GRPOTrainer": "agentrl.trainers.grpo",
     "PPOConfig": "agentrl.trainers.ppo",
-    "PPOTrainer": "agentrl.trainers.ppo",
+    "PPOTrainer": "agentrl.trl_compat",
     "SFTConfig": "agentrl.trainers.sft",
     "SFTTrainer": "agentrl.trainers.sft",
     "AutoModelForCausalLMWithValueHead": "agentrl.models.value_head",

@@ -120,7 +120,7 @@ def main() -> None:
     clock = Clock()
     extra: dict = {}
     if args.task == "ppo":
-        from agentrl.trainers.ppo import PPOConfig, PPOTrainer
+        from agentrl.trl_compat import PPOConfig, PPOTrainer
 
         cfg = PPOConfig(batch_size=64, mini_batch_size=16, ppo_epochs=4, learning_rate=1e-4,
                         mixed_precision="bf16" if args.bf16 else "no", **overrides)
@@ -159,7 +159,7 @@ def main() -> None:
                  "update_s": statistics.median(h["time/update"] for h in history[1:]),
                  "mean_response_length": history[-1]["env/mean_response_length"]}
     elif args.task == "ppo-agent":  # the quickstart's PPO (agent loop, ragged multi-turn episodes)
-        from agentrl.trainers.ppo import PPOConfig, PPOTrainer
+        from agentrl.trl_compat import PPOConfig, PPOTrainer
 
         cfg = PPOConfig(batch_size=64, mini_batch_size=32, ppo_epochs=2, learning_rate=5e-4, adap_kl_ctrl=False,
                         init_kl_coef=0.05, **overrides)

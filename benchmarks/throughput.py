@@ -29,7 +29,7 @@ def main() -> None:
     from agentrl.rollout import SamplingParams, rollout
     from agentrl.trainers.dpo import DPOConfig, DPOTrainer
     from agentrl.trainers.grpo import GRPOConfig, GRPOTrainer
-    from agentrl.trainers.ppo import PPOConfig, PPOTrainer
+    from agentrl.trl_compat import PPOConfig, PPOTrainer
 
     tok = AutoTokenizer.from_pretrained(args.model)
 

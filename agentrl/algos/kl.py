@@ -39,6 +39,17 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1.0
 
 
+
+def kl_shaped_rewards(token_scores: torch.Tensor, kl: torch.Tensor, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO rewards (Ziegler et al. 2019): -kl_coef * KL at every token, plus the scores.
+
+    token_scores (B, T): each turn's (or episode's) score at its last sampled token, 0 elsewhere; kl (B, T), 0
+    where the policy did not sample. Returns (rewards, non_score_rewards), each (B, T).
+    """
+    non_score_rewards = -kl_coef * kl
+    return non_score_rewards + token_scores, non_score_rewards
+
+
 class FixedKLController:
     """A constant KL coefficient."""
 

@@ -103,3 +103,13 @@ def test_kl_controllers():
     ctl2 = AdaptiveKLController(0.2, target=6.0, horizon=10000)
     ctl2.update(5.4, 100)  # error -0.1
     assert ctl2.value == pytest.approx(0.2 * (1 - 0.1 * 100 / 10000))
+
+
+def test_kl_shaped_rewards_by_hand():
+    from agentrl.algos import kl_shaped_rewards
+
+    token_scores = torch.tensor([[0.0, 0.0, 1.0], [0.0, -1.0, 0.0]])
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.5, 0.0, 0.0]])
+    rewards, non_score = kl_shaped_rewards(token_scores, kl, 0.5)
+    assert torch.allclose(non_score, torch.tensor([[-0.05, -0.1, -0.15], [-0.25, 0.0, 0.0]]))
+    assert torch.allclose(rewards, torch.tensor([[-0.05, -0.1, 0.85], [-0.25, -1.0, 0.0]]))

@@ -161,3 +161,14 @@ def test_hf_argument_parser_parses_ppo_config():
     assert config.log_with == "tensorboard" and config.learning_rate == 1e-4 and config.kl_penalty == "abs"
     assert config.score_clip == 0.5 and config.backward_batch_size == 4
     assert config.to_dict()["batch_size"] == 8 and PPOConfig(steps=300, batch_size=128).total_ppo_epochs == 3
+
+
+def test_the_agent_trainer_carries_no_trl_only_api():
+    """TRL 0.11's sample-by-hand API lives in the adapter; the agent trainer is the loop and the update."""
+    import agentrl
+    from agentrl.trainers import ppo
+    from agentrl.trl_compat import PPOTrainer as Adapter
+
+    assert agentrl.PPOTrainer is Adapter and issubclass(Adapter, ppo.PPOTrainer)
+    for name in ("generate", "step", "log_stats", "batched_forward_pass", "compute_rewards", "prepare_dataloader"):
+        assert hasattr(Adapter, name) and not hasattr(ppo.PPOTrainer, name), name
