@@ -500,10 +500,11 @@ REST_GROUP_MIN_SAVING = 0.1
 
 
 def _rest_logprobs(model, kw, head, batch: TokenBatch, rows, cache, prefix_mask, last, first, rest, temperature,
-                   with_entropy, entropy_grad):
+                   with_entropy, entropy_grad, value_head=None):
     """shared_prefix_logprobs' second part for `rows` (indices into the batch): the rest of each of those rows,
-    right-padded, on top of `cache` (their prefixes' KV, one per row); (logprobs, entropy, None), (B, T-1) with
-    zeros outside `rows`. first, rest, last, prefix_mask: those rows' own."""
+    right-padded, on top of `cache` (their prefixes' KV, one per row); (logprobs, entropy, values or None), (B, T-1)
+    with zeros outside `rows` (values: `value_head` on the same hidden states). first, rest, last, prefix_mask:
+    those rows' own."""
     mask, ids = batch.loss_mask, batch.input_ids[rows]
     Ls = int(rest.max())
     arange = torch.arange(Ls, device=ids.device)
@@ -518,9 +519,59 @@ def _rest_logprobs(model, kw, head, batch: TokenBatch, rows, cache, prefix_mask,
     hidden = torch.cat([last[:, None], out.hidden_states[-1][:, :-1]], 1)  # (R, Ls, H)
     shifted = mask[rows].gather(1, (first[:, None] - 1 + arange[None]).clamp(max=mask.shape[1] - 1)).bool() & valid
     r, j = torch.nonzero(shifted, as_tuple=True)
-    logprobs, entropy = _head_logprobs(head, hidden, shifted, rest_ids, temperature, with_entropy, entropy_grad,
-                                       (rows[r], first[r] - 1 + j, mask.shape))
-    return logprobs, entropy, None
+    put = (rows[r], first[r] - 1 + j, mask.shape)
+    logprobs, entropy = _head_logprobs(head, hidden, shifted, rest_ids, temperature, with_entropy, entropy_grad, put)
+    values = None
+    if value_head is not None:
+        picked = value_head(hidden[shifted].to(value_head.summary.weight.device)).float()  # (N,)
+        values = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device).index_put(put[:2], picked)
+    return logprobs, entropy, values
+
+
+def common_prefix_logprobs(model, batch: TokenBatch, temperature: float, with_entropy: bool = False,
+                           entropy_grad: bool = False, value_head: torch.nn.Module | None = None,
+                           min_saving: float = 0.25):
+    """`response_logprobs` for a batch whose rows all begin with the same tokens: an agent's episodes share the
+    system message, the tool schemas and the chat markers, often most of each row (a chat-template prompt with
+    one tool is ~190 of ~220 tokens). That common prefix runs once as a batch of one, its KV cache is expanded
+    to every row, and only the rest of each row runs on top of it. The same maths as one forward over the whole
+    rows (gradients reach the prefix through the cache). value_head: PPO's, read on the same hidden states.
+
+    Returns (logprobs, entropy or None, values or None), each (B, T-1), or None when the prefix would save less
+    than `min_saving` of the batch's positions, a row has no sampled token, or the model's head cannot be split
+    off (then use response_logprobs / the full forward).
+    """
+    from transformers import DynamicCache
+
+    from agentrl.models.value_head import accepts_position_ids
+    from agentrl.rollout.sampling import cache_kwarg
+
+    mask, ids = batch.loss_mask, batch.input_ids
+    B = ids.shape[0]
+    if B < 2 or not bool(mask.bool().any(-1).all()) or not accepts_position_ids(model):
+        return None
+    lengths = batch.attention_mask.sum(-1)
+    first = mask.float().argmax(-1) + 1  # (B,) index of each row's first sampled token
+    same = (ids == ids[:1]).all(0).long().cumprod(0)  # 1 up to the first column where some row differs
+    P = min(int(same.sum()), int(first.min()))  # the prefix ends at or before every row's first sampled token
+    if P < 2 or (B - 1) * P < min_saving * int(lengths.sum()):
+        return None
+    positions = {"position_ids": position_ids(batch.attention_mask)}
+    head = _output_head(model, batch, positions)
+    if head is None:
+        return None
+    device = ids.device
+    cache, kw = DynamicCache(), cache_kwarg(model)
+    prefix_mask = torch.ones((1, P), dtype=batch.attention_mask.dtype, device=device)
+    out = model(input_ids=ids[:1, :P], attention_mask=prefix_mask, position_ids=torch.arange(P, device=device)[None],
+                use_cache=True, output_hidden_states=True, **_no_logits(model, device), **{kw: cache})
+    if cache.get_seq_length() != P:  # the model kept no cache (gradient checkpointing turns it off)
+        return None
+    cache.batch_select_indices(torch.zeros(B, dtype=torch.long, device=device))  # (1, ...) -> (B, ...), differentiable
+    last = out.hidden_states[-1][:, -1].expand(B, -1)  # (B, H): predicts each row's token P
+    return _rest_logprobs(model, kw, head, batch, torch.arange(B, device=device), cache, prefix_mask.expand(B, -1),
+                          last, torch.full((B,), P, device=device), lengths - P, temperature, with_entropy,
+                          entropy_grad, value_head)
 
 
 # Length buckets (by_length) only when they cut the padded positions of a forward by at least this fraction.

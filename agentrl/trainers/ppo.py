@@ -30,8 +30,8 @@ from agentrl.models.value_head import AutoModelForCausalLMWithValueHead, create_
 from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams
 from agentrl.samples import SamplesLog
-from agentrl.trainers.common import (MetricsLog, TokenBatch, by_length, check_batch, episodes_to_batch,
-                                     finite_or_raise, gathered_for_generation, global_logprob_mismatch,
+from agentrl.trainers.common import (MetricsLog, TokenBatch, by_length, check_batch, common_prefix_logprobs,
+                                     episodes_to_batch, finite_or_raise, gathered_for_generation, global_logprob_mismatch,
                                      global_masked_moments, global_token_scale, guarded_step, lm_logprobs,
                                      load_trainer_state, logprob_mismatch, make_accelerator, mean_over_processes,
                                      norm_gain_parameters, optimizer_groups, policy_forward,
@@ -115,6 +115,9 @@ class PPOConfig:
     # token's policy loss times min(pi_trainer / pi_sampler, tis_clip), for a sampler that is not the trainer
     # (rollout.backend: vllm; 2.0 is the paper's C). None: off
     approx_kl_warning: float | None = 0.5  # warn when one step's approx-KL exceeds this (None: never)
+    share_prompt_prefix: bool = False  # the tokens every episode of a batch begins with (system message, tool
+    # schemas) run once per forward, not once per episode (trainers/common.common_prefix_logprobs): the same
+    # maths up to float rounding; decisive for chat-template prompts on a real model
 
     def __post_init__(self):
         if self.tis_clip is not None and self.tis_clip <= 0:
@@ -367,6 +370,11 @@ class PPOTrainer:
         """(logprobs, values, entropy (B, T-1), logits (B, T, V) or None): only at response positions when the
         model allows (response_logprobs), else the full forward."""
         fast = self._fast_lm()
+        if fast is not None and self.config.share_prompt_prefix:
+            out = common_prefix_logprobs(fast[0], batch, self.config.temperature, with_entropy=True,
+                                         entropy_grad=entropy_grad, value_head=fast[1])
+            if out is not None:
+                return out[0], out[2], out[1], None
         if fast is not None:
             # Rows of similar length forward together (by_length): episodes of an agent loop vary a lot.
             out = by_length(lambda b: response_logprobs(fast[0], b, self.config.temperature, with_entropy=True,
@@ -382,7 +390,11 @@ class PPOTrainer:
         """The reference's logprobs (B, T-1) at response positions (others may be 0)."""
         ref_lm = self._ref_lm or self.policy
         with self._reference():
-            out = response_logprobs(ref_lm, batch, self.config.temperature) if self._fast_lm() else None
+            out = None
+            if self._fast_lm() and self.config.share_prompt_prefix:
+                out = common_prefix_logprobs(ref_lm, batch, self.config.temperature)
+            if out is None and self._fast_lm():
+                out = response_logprobs(ref_lm, batch, self.config.temperature)
             return out[0] if out is not None else lm_logprobs(ref_lm, batch, self.config.temperature)
 
     @torch.no_grad()

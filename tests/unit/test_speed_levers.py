@@ -10,8 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import agentrl.trainers.common as common
 from agentrl.algos.losses import entropy_from_logits
-from agentrl.trainers.common import (build_batch, lm_logprobs, masked_logprobs, policy_forward, response_logprobs,
-                                     shared_prefix_logprobs)
+from agentrl.trainers.common import (build_batch, common_prefix_logprobs, lm_logprobs, masked_logprobs, policy_forward,
+                                     response_logprobs, shared_prefix_logprobs)
 
 
 rest_logprobs = common._rest_logprobs
@@ -81,6 +81,37 @@ def test_shared_prefix_logprobs_match_the_full_forward(monkeypatch, grouped):
     assert shared_prefix_logprobs(model, build_batch(ROWS[1:3], 0), 0.7) is None
 
 
+# Agent episodes: one system prompt (S), distinct questions, then sampled turns (a tool output, mask 0, inside one).
+S = [1, 5, 6, 7, 11, 12]
+AGENT_ROWS = [(S + [20, 21] + [8, 9, 10, 3], [0] * 8 + [1, 1, 0, 1], []), (S + [22] + [30, 31], [0] * 7 + [1, 1], []),
+              (S + [23, 24, 25] + [40, 41, 42, 43], [0] * 9 + [1, 1, 1, 1], []), (S + [20, 26] + [50], [0] * 8 + [1], [])]
+
+
+def test_common_prefix_logprobs_match_the_full_forward():
+    """The prompt's common prefix runs once for the whole batch: same logprobs, entropy, values and gradients."""
+    from agentrl.models.value_head import AutoModelForCausalLMWithValueHead
+
+    model = AutoModelForCausalLMWithValueHead(tiny_lora(), v_head_init_std=0.1).eval()
+    lm, batch = model.pretrained_model, build_batch(AGENT_ROWS, 0)
+
+    def run(fn):
+        model.zero_grad()
+        logprobs, entropy, values = fn()
+        (0.3 * logprobs.sum() + entropy.sum() + 0.5 * values.sum()).backward()
+        return [x.detach() for x in (logprobs, entropy, values)], [p.grad.clone() for p in model.parameters()
+                                                                     if p.requires_grad and p.grad is not None]
+
+    shared = run(lambda: common_prefix_logprobs(lm, batch, 0.7, with_entropy=True, entropy_grad=True,
+                                                value_head=model.v_head, min_saving=0.1))
+    plain = run(lambda: response_logprobs(lm, batch, 0.7, with_entropy=True, entropy_grad=True,
+                                          value_head=model.v_head))
+    assert all(torch.allclose(a, b, atol=2e-6) for a, b in zip(shared[0], plain[0]))
+    assert len(shared[1]) == len(plain[1]) and all(torch.allclose(a, b, atol=2e-6) for a, b in zip(shared[1], plain[1]))
+    assert torch.allclose(shared[0][0], reference(lm, batch, 0.7)[0], atol=2e-6)
+    # Too little in common (3 rows x 6 shared tokens: 18 of 43 positions, < 50%): no shortcut.
+    assert common_prefix_logprobs(lm, batch, 0.7, min_saving=0.5) is None
+
+
 def test_masked_logprobs_falls_back_when_the_head_cannot_be_split(monkeypatch):
     model, batch = tiny_lora(), build_batch(ROWS, 0)
     monkeypatch.setattr(model.get_base_model().config, "final_logit_softcapping", None, raising=False)
@@ -102,8 +133,9 @@ def test_value_head_values_from_the_fast_forward():
     assert torch.allclose(fast[2], values * batch.loss_mask, atol=2e-6)
 
 
-def ppo_step(tiny_base, reuse: bool, corrupt: float = 0.0):
-    """One PPO step on fixed queries and responses; with `reuse`, step() finds generate()'s logprobs/values."""
+def ppo_step(tiny_base, reuse: bool, corrupt: float = 0.0, share_prompt_prefix: bool | None = None):
+    """One PPO step on fixed queries and responses; with `reuse`, step() finds generate()'s logprobs/values.
+    share_prompt_prefix True / False: queries behind a long common system prompt, with / without the shortcut."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agentrl import PPOConfig, PPOTrainer
@@ -113,8 +145,10 @@ def ppo_step(tiny_base, reuse: bool, corrupt: float = 0.0):
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_base),
                            LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     trainer = PPOTrainer(PPOConfig(batch_size=4, mini_batch_size=2, ppo_epochs=2, learning_rate=1e-2,
-                                   reuse_rollout_logprobs=reuse, value_head_init_std=0.1), model, None, tok)
-    queries = [tok(f"Question: What is {i} + 1{i}?\n", return_tensors="pt")["input_ids"][0] for i in range(4)]
+                                   reuse_rollout_logprobs=reuse, value_head_init_std=0.1,
+                                   share_prompt_prefix=bool(share_prompt_prefix)), model, None, tok)
+    system = "Question: " if share_prompt_prefix is None else "You can call a calculator. " * 8 + "Question: "
+    queries = [tok(f"{system}What is {i} + 1{i}?\n", return_tensors="pt")["input_ids"][0] for i in range(4)]
     torch.manual_seed(1)
     responses = trainer.generate(queries, return_prompt=False, max_new_tokens=6)
     for key, (logprobs, values) in trainer._generated.items():
@@ -138,6 +172,23 @@ def test_ppo_reusing_the_samplers_logprobs_and_values_gives_the_same_step(tiny_b
     assert fallback["rollout/logprob_mismatch_mean"] == pytest.approx(0.01, rel=1e-3)  # the full batch's check
     assert fallback["ppo/loss/total"] == plain["ppo/loss/total"]
     assert all(torch.equal(a, b) for a, b in zip(fallback_params, plain_params))
+
+
+@pytest.mark.slow
+def test_ppo_sharing_the_prompt_prefix_gives_the_same_step(tiny_base, monkeypatch):
+    """share_prompt_prefix: the episodes' common prompt prefix runs once per forward; the step's numbers and
+    updated weights are those of the per-row forward, within float noise."""
+    calls = []
+    real = common.common_prefix_logprobs
+    import agentrl.trainers.ppo as ppo
+
+    monkeypatch.setattr(ppo, "common_prefix_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    shared, shared_params = ppo_step(tiny_base, reuse=False, share_prompt_prefix=True)
+    assert calls  # the shortcut ran (old, reference and the epochs' forwards)
+    plain, plain_params = ppo_step(tiny_base, reuse=False, share_prompt_prefix=False)
+    for key in ("ppo/loss/total", "ppo/loss/value", "objective/kl", "ppo/val/vpred", "ppo/policy/approxkl"):
+        assert shared[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), key
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(shared_params, plain_params))
 
 
 def test_a_batch_of_slow_tool_calls_overlaps():
