@@ -50,6 +50,25 @@ def tool_schema(fn: Callable) -> dict:
     return get_json_schema(fn)
 
 
+@dataclass(frozen=True)
+class Tool:
+    """A tool given by its JSON schema instead of a typed function (an MCP server's tool, say): the runner
+    validates arguments against `schema` ({"type": "function", "function": {"name", "description",
+    "parameters"}}) and calls `fn(**arguments)`."""
+
+    schema: dict
+    fn: Callable
+
+    @property
+    def name(self) -> str:
+        return self.schema["function"]["name"]
+
+
+class ToolFailure(Exception):
+    """Raised by a tool whose failure message is meant for the model as is: the observation is
+    `Error: <message>` (not `Error: <tool> raised <Type>: ...`), and the call counts as failed."""
+
+
 @dataclass
 class ToolCall:
     name: str
@@ -317,7 +336,7 @@ class ToolRunner:
     process), changes to module state in a call do not persist, and it needs os.fork (Linux, macOS).
     """
 
-    def __init__(self, tools: list[Callable], timeout: float = 5.0, max_observation_chars: int = 500,
+    def __init__(self, tools: list[Callable | Tool], timeout: float = 5.0, max_observation_chars: int = 500,
                  isolation: str = "thread"):
         if isolation not in ("thread", "process"):
             raise ValueError(f"isolation must be 'thread' or 'process', got {isolation!r}")
@@ -329,8 +348,9 @@ class ToolRunner:
         if isinstance(max_observation_chars, bool) or not isinstance(max_observation_chars, int) \
                 or max_observation_chars < 1:
             raise ValueError(f"max_observation_chars must be an integer >= 1, got {max_observation_chars!r}")
-        self.functions = {fn.__name__: fn for fn in tools}
-        self.schemas = {fn.__name__: _cached_schema(fn) for fn in tools}
+        tools = [t if isinstance(t, Tool) else Tool(_cached_schema(t), t) for t in tools]
+        self.functions = {t.name: t.fn for t in tools}
+        self.schemas = {t.name: t.schema for t in tools}
         self.timeout, self.max_chars = timeout, max_observation_chars
 
     def __call__(self, call: ToolCall) -> tuple[str, bool]:
@@ -354,6 +374,8 @@ class ToolRunner:
     def _observation(self, name: str, status: str, result: Any) -> tuple[str, bool]:
         """(text, ok) of a call that returned (status "ok") or raised ("raised"): a tool's failure is the
         model's observation."""
+        if status == "raised" and isinstance(result, ToolFailure):
+            return f"Error: {result}"[: self.max_chars], False
         if status == "raised":
             return f"Error: {name} raised {type(result).__name__}: {result}"[: self.max_chars], False
         try:
@@ -390,7 +412,7 @@ class ToolRewards:
 
 
 class ToolEnv:
-    """An environment from a list of typed functions.
+    """An environment from a list of typed functions (or `Tool`s: a JSON schema and a callable).
 
     format "react": the tutorials' text, `Action: name(args)` lines, `Observation: ...` replies, `Answer: ...`.
     format "chat": the tokenizer's chat template with `tools=`; calls in the form the model's family writes
@@ -403,7 +425,7 @@ class ToolEnv:
     `check(task, answer_text) -> bool` decides correctness; rewards follow the tutorial's table.
     """
 
-    def __init__(self, tools: list[Callable], check: Callable[[dict, str], bool], format: str = "react",
+    def __init__(self, tools: list[Callable | Tool], check: Callable[[dict, str], bool], format: str = "react",
                  max_turns: int = 4, timeout: float = 5.0, max_observation_chars: int = 500,
                  rewards: dict | None = None, system_prompt: str | None = None, tool_parser: str | None = None,
                  chat_template_kwargs: dict | None = None, isolation: str = "thread"):
