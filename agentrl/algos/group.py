@@ -19,28 +19,42 @@ def _groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def group_advantages(scores: torch.Tensor, group_size: int, normalize_std: bool = True,
-                     eps: float = 1e-4) -> torch.Tensor:
+                     eps: float = 1e-4, valid: torch.Tensor | None = None) -> torch.Tensor:
     """GRPO advantages. scores: (N,) holding N / group_size consecutive groups -> (N,).
 
     A_i = (s_i - mean(group)) / (std(group) + eps); `normalize_std=False` is Dr. GRPO (no std division).
     A group whose scores are all equal (or a group of one) gets advantage 0: it carries no signal.
     The std is the unbiased one, as TRL's GRPOTrainer computes it.
+    valid: (N,) bool, False for episodes left out (they failed for reasons outside the policy): they get
+    advantage 0 and do not enter their group's mean or std; a group with fewer than two valid episodes gets 0.
     """
     g = _groups(scores, group_size)
-    centered = g - g.mean(dim=1, keepdim=True)
-    if normalize_std and group_size > 1:
-        std = g.std(dim=1, keepdim=True)
+    if valid is None:
+        centered = g - g.mean(dim=1, keepdim=True)
+        if normalize_std and group_size > 1:
+            std = g.std(dim=1, keepdim=True)
+            centered = torch.where(std > 0, centered / (std + eps), torch.zeros_like(centered))
+        return centered.view(-1)
+    v = valid.view(-1, group_size).to(g.dtype)
+    n = v.sum(dim=1, keepdim=True)
+    mean = (g * v).sum(dim=1, keepdim=True) / n.clamp(min=1)
+    centered = (g - mean) * v
+    if normalize_std:
+        std = ((centered ** 2).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
         centered = torch.where(std > 0, centered / (std + eps), torch.zeros_like(centered))
-    return centered.view(-1)
+    return torch.where(n > 1, centered, torch.zeros_like(centered)).view(-1)
 
 
-def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
-    """RLOO: A_i = s_i - mean_{j != i} s_j within each group. scores (N,) -> (N,); a group of one gets 0."""
+def rloo_advantages(scores: torch.Tensor, group_size: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """RLOO: A_i = s_i - mean_{j != i} s_j within each group. scores (N,) -> (N,); a group of one gets 0.
+    valid: (N,) bool as in group_advantages: left-out episodes get 0 and are no one's baseline."""
     g = _groups(scores, group_size)
-    if group_size == 1:
-        return torch.zeros_like(g).view(-1)
-    leave_one_out = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)
-    return (g - leave_one_out).view(-1)
+    v = torch.ones_like(g) if valid is None else valid.view(-1, group_size).to(g.dtype)
+    n = v.sum(dim=1, keepdim=True)
+    others = (n - v).clamp(min=1)  # the valid episodes besides i
+    leave_one_out = ((g * v).sum(dim=1, keepdim=True) - g * v) / others
+    out = (g - leave_one_out) * v
+    return torch.where(n > 1, out, torch.zeros_like(out)).view(-1)
 
 
 def zero_variance_fraction(scores: torch.Tensor, group_size: int) -> float:

@@ -13,6 +13,11 @@ An environment is any object with this shape (no base class to inherit):
 did not write, masked out of every loss), the reward for this turn, and whether the episode is over.
 Episode score = sum of turn rewards. PPO puts each turn's reward on the last token of that turn.
 
+An episode that failed for reasons outside the policy (a tool server that died, a sandbox that did not start)
+says so with `info["infra_failure"] = True` in any step's StepResult: the trainers leave it out of the loss and
+of the group baselines and count it (env/infra_failure_rate), instead of teaching the policy from a 0 it did
+not earn.
+
 Optional, for environments that render through the tokenizer (ToolEnv in chat format): a method
 `bind_tokenizer(tokenizer)` the engine calls before `reset`; `keep_special_tokens = True` to get each turn's
 text with its special tokens (the sampled turn-end marker); `eos_ends_episode = False` when EOS only ends a turn.
@@ -44,6 +49,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 from agentrl.errors import EnvironmentContractError, SignalExit
 
 Segments = list[tuple[str, bool]]  # (text, trainable) pieces of one demonstration
+INFRA_FAILURE = "infra_failure"  # StepResult.info key: the episode failed for reasons outside the policy
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from agentrl.envs.base import Environment, check_attributes, checked_reset, checked_step
+from agentrl.envs.base import INFRA_FAILURE, Environment, check_attributes, checked_reset, checked_step
 from agentrl.errors import UserError
 from agentrl.rollout.sampling import KVState, Sample, SamplingParams, sample_batch
 
@@ -51,6 +51,11 @@ class Episode:
     @property
     def num_turns(self) -> int:
         return len(self.turn_ends)
+
+    @property
+    def infra_failure(self) -> bool:
+        """The environment reported a failure outside the policy (info["infra_failure"]): leave it out of the loss."""
+        return bool(self.info.get(INFRA_FAILURE))
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
@@ -157,7 +162,8 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
             cached[i] = len(ep.prompt_ids) + len(ep.token_ids) - 1  # all but the last sampled token are in kv
             ep.truncated |= sample.finish == "length"
             ep.turn_rewards.append(float(result.reward))
-            ep.info = result.info
+            # The last step's info, but a failure outside the policy, once reported, stays with the episode.
+            ep.info = {**result.info, INFRA_FAILURE: True} if ep.info.get(INFRA_FAILURE) else result.info
             # EOS ends the episode, whatever the environment would allow, unless the environment says its
             # turns end with that token (chat templates whose end-of-turn token is the EOS).
             ep.done = result.done or (sample.finish == "eos" and eos_ends) or turn == max_turns - 1
@@ -239,5 +245,6 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
         "env/mean_score": sum(ep.score for ep in episodes) / n,
         "env/truncation_rate": sum(ep.truncated for ep in episodes) / n,
         "env/context_cut_rate": sum(bool(i.get("context_exceeded")) for i in info) / n,
+        "env/infra_failure_rate": sum(ep.infra_failure for ep in episodes) / n,
         "env/mean_response_length": sum(sum(ep.loss_mask) for ep in episodes) / n,
     }

@@ -113,6 +113,15 @@ def check_batch(episodes: list[Episode], batch: TokenBatch) -> None:
                                f"exactly the sampled tokens ({want_mask[j]} there)")
 
 
+def mask_infra_failures(episodes: list[Episode], batch: TokenBatch) -> int:
+    """Zero the loss mask of every episode that failed outside the policy (Episode.infra_failure): no policy,
+    value or KL term reaches it. Returns how many. Call after check_batch (which compares masks to episodes)."""
+    failed = [i for i, ep in enumerate(episodes) if ep.infra_failure]
+    if failed:
+        batch.loss_mask[failed] = 0.0
+    return len(failed)
+
+
 def logprob_mismatch(recomputed: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor,
                      threshold: float | None) -> dict[str, float]:
     """|recomputed - sampled| logprobs over sampled tokens, (B, T-1) each: the trainer's forward at the

@@ -26,7 +26,7 @@ from agentrl.rollout.sampling import SamplingParams
 from agentrl.samples import SamplesLog
 from agentrl.trainers.common import (MetricsLog, TokenBatch, check_batch, episodes_to_batch, finite_or_raise,
                                      gathered_for_generation, global_logprob_mismatch, global_token_scale,
-                                     guarded_step, load_trainer_state, logprob_mismatch, make_accelerator,
+                                     guarded_step, load_trainer_state, logprob_mismatch, make_accelerator, mask_infra_failures,
                                      masked_logprobs, mean_over_processes, norm_gain_parameters, optimizer_groups, progress_bar, resumed_cycler,
                                      resumed_metrics, trainer_state)
 from agentrl.trainers.common import eval_mode
@@ -172,12 +172,12 @@ class GRPOTrainer:
             bar.close()
         return history
 
-    def advantages(self, scores: torch.Tensor) -> torch.Tensor:
-        """(N,) episode scores in consecutive groups -> (N,) advantages."""
+    def advantages(self, scores: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """(N,) episode scores in consecutive groups -> (N,) advantages; `valid` (N,) False for episodes left out."""
         G = self.config.num_generations
         if self.config.advantage == "rloo":
-            return rloo_advantages(scores, G)
-        return group_advantages(scores, G, normalize_std=self.config.advantage == "grpo")
+            return rloo_advantages(scores, G, valid)
+        return group_advantages(scores, G, normalize_std=self.config.advantage == "grpo", valid=valid)
 
     @torch.no_grad()
     def _ref_logprobs(self, batch: TokenBatch) -> torch.Tensor:
@@ -192,9 +192,12 @@ class GRPOTrainer:
         scores = torch.tensor([ep.score for ep in episodes])
         if cfg.missing_eos_penalty is not None:
             scores = scores - cfg.missing_eos_penalty * torch.tensor([float(ep.truncated) for ep in episodes])
-        advantages = self.advantages(scores).to(self.accelerator.device)
+        # Episodes that failed outside the policy: out of the group baselines and (mask 0) out of the loss.
+        valid = torch.tensor([not ep.infra_failure for ep in episodes])
+        advantages = self.advantages(scores, None if valid.all() else valid).to(self.accelerator.device)
         full = episodes_to_batch(episodes, self.tokenizer.pad_token_id)
         check_batch(episodes, full)
+        mask_infra_failures(episodes, full)
         full = full.to(self.accelerator.device)
         # loss_mask (B, T-1): 1 on sampled tokens; prompt, tool observations and padding are 0.
         chunks = [torch.arange(s, min(s + cfg.mini_batch_size, len(full))) for s in range(0, len(full), cfg.mini_batch_size)]

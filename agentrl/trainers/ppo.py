@@ -33,7 +33,8 @@ from agentrl.samples import SamplesLog
 from agentrl.trainers.common import (MetricsLog, TokenBatch, by_length, check_batch, common_prefix_logprobs,
                                      episodes_to_batch, finite_or_raise, gathered_for_generation, global_logprob_mismatch,
                                      global_masked_moments, global_token_scale, guarded_step, lm_logprobs,
-                                     load_trainer_state, logprob_mismatch, make_accelerator, mean_over_processes,
+                                     load_trainer_state, logprob_mismatch, make_accelerator, mask_infra_failures,
+                                     mean_over_processes,
                                      norm_gain_parameters, optimizer_groups, policy_forward,
                                      progress_bar, response_logprobs, resumed_cycler, resumed_metrics,
                                      sum_over_processes, trainer_state)
@@ -336,6 +337,7 @@ class PPOTrainer:
             rollout_seconds = time.time() - started
             batch = episodes_to_batch(episodes, self.tokenizer.pad_token_id, self.config.missing_eos_penalty)
             check_batch(episodes, batch)
+            mask_infra_failures(episodes, batch)  # failures outside the policy teach it nothing
             stats = self._update(batch)
             warn_if_approx_kl_explodes(stats["ppo/policy/approxkl"], self.config, self.current_step)
             stats.update(mean_over_processes(self.accelerator, episode_metrics(episodes)))

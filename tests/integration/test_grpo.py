@@ -71,3 +71,47 @@ def test_two_step_rollout_masks(tiny_base):
         len(tok(o, add_special_tokens=False)["input_ids"]) for o in ("Observation: 5\n", "Observation: 20\n"))
     batch = episodes_to_batch([ep], tok.pad_token_id)
     assert batch.loss_mask.sum().item() == sum(ep.loss_mask)
+
+
+class FlakyServerEnv(MultiStepCalculatorEnv):
+    """Every third episode reports a failure outside the policy (as a dead tool server would) and gets `bonus`
+    added to its reward: neither may reach the update."""
+
+    bonus, flag, made = 0.0, True, 0
+
+    def reset(self, task):
+        FlakyServerEnv.made += 1
+        self.flaky = FlakyServerEnv.made % 3 == 0
+        return super().reset(task)
+
+    def step(self, action):
+        result = super().step(action)
+        if self.flaky:
+            result.reward += self.bonus
+            if self.flag:
+                result.info = {**result.info, "infra_failure": True}
+        return result
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo"])
+def test_an_episode_failed_outside_the_policy_gives_no_gradient(tiny_base, advantage, monkeypatch):
+    """The same step with the failed episodes' rewards changed gives the same weights: they are out of the loss
+    and of their groups' baselines; unflagged, the changed rewards do change the update."""
+    def step(bonus, flag):
+        monkeypatch.setattr(FlakyServerEnv, "bonus", bonus)
+        monkeypatch.setattr(FlakyServerEnv, "flag", flag)
+        monkeypatch.setattr(FlakyServerEnv, "made", 0)
+        torch.manual_seed(0)
+        trainer = GRPOTrainer(GRPOConfig(tasks_per_step=2, num_generations=4, mini_batch_size=8, learning_rate=1e-2,
+                                         advantage=advantage, logprob_mismatch_threshold=None), lora(tiny_base),
+                              AutoTokenizer.from_pretrained(tiny_base))
+        stats = trainer.train(FlakyServerEnv, multistep_tasks(8), steps=1, sampling=SamplingParams(max_new_tokens=16),
+                              progress=False)[-1]
+        return stats, [p.detach().clone() for p in trainer.policy.parameters() if p.requires_grad]
+
+    stats, plain = step(0.0, True)
+    assert stats["env/infra_failure_rate"] == pytest.approx(2 / 8)
+    _, bonus = step(50.0, True)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, bonus))
+    _, unflagged = step(50.0, False)
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, unflagged))

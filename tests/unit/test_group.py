@@ -48,3 +48,27 @@ def test_grpo_loss_hand_computed():
     assert with_kl.item() == pytest.approx(loss.item()) and st["kl"].item() == pytest.approx(0.0)
     with pytest.raises(ValueError, match="ref_logprobs"):
         grpo_loss(logp, old, adv, mask, beta=0.1)
+
+
+def test_left_out_episodes_are_no_ones_baseline():
+    """valid=False (an episode that failed outside the policy): advantage 0, and out of its group's mean and std."""
+    scores = torch.tensor([1.0, 0.0, 0.0, 5.0, 2.0, 2.0, 0.0, 9.0])  # two groups of 4
+    valid = torch.tensor([True, True, True, False, True, False, False, True])
+    # Group 1 without the 5.0: mean 1/3, unbiased std sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = sqrt(1/3).
+    mean, std = 1 / 3, (1 / 3) ** 0.5
+    want = [(1 - mean) / (std + 1e-4), (0 - mean) / (std + 1e-4), (0 - mean) / (std + 1e-4), 0.0]
+    # Group 2 keeps 2.0 and 9.0: mean 5.5, std sqrt(2 * 3.5^2 / 1) = 4.9497...
+    std2 = (2 * 3.5 ** 2) ** 0.5
+    want += [-3.5 / (std2 + 1e-4), 0.0, 0.0, 3.5 / (std2 + 1e-4)]
+    assert torch.allclose(group_advantages(scores, 4, valid=valid), torch.tensor(want), atol=1e-6)
+    assert torch.allclose(group_advantages(scores, 4, normalize_std=False, valid=valid),
+                          torch.tensor([2 / 3, -1 / 3, -1 / 3, 0.0, -3.5, 0.0, 0.0, 3.5]), atol=1e-6)
+    # RLOO: baselines from the other valid episodes only.
+    assert torch.allclose(rloo_advantages(scores, 4, valid=valid),
+                          torch.tensor([1.0, -0.5, -0.5, 0.0, -7.0, 0.0, 0.0, 7.0]), atol=1e-6)
+    # A group left with one valid episode teaches nothing; all valid = the plain formulas.
+    one = torch.tensor([True, False, False, False] * 2)
+    assert group_advantages(scores, 4, valid=one).abs().sum() == 0 and rloo_advantages(scores, 4, valid=one).abs().sum() == 0
+    every = torch.ones(8, dtype=torch.bool)
+    assert torch.allclose(group_advantages(scores, 4, valid=every), group_advantages(scores, 4), atol=1e-6)
+    assert torch.allclose(rloo_advantages(scores, 4, valid=every), rloo_advantages(scores, 4))
