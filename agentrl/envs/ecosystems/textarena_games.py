@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import random
 import re
 import threading
@@ -36,7 +37,7 @@ from agentrl.envs.base import StepResult, load_object
 from agentrl.errors import UserError
 
 MOVE = r"\[[^\[\]\n]*\]"  # a bracketed move: where a text-format turn ends
-_RANDOM_LOCK = threading.Lock()  # one global `random`: one game's calls at a time swap it
+_RANDOM_LOCK = threading.RLock()  # one global `random`: one game's calls at a time swap it
 _CHECKED: set = set()  # (game, kwargs, players) already reset once successfully in this process
 
 
@@ -61,12 +62,13 @@ def _registry() -> dict:
     return _textarena().envs.registration.ENV_REGISTRY
 
 
-def missing_downloads(game: str) -> list[str]:
+@functools.lru_cache(maxsize=None)
+def missing_downloads(game: str) -> tuple[str, ...]:
     """The nltk data packages `game`'s code downloads when imported (Wordle, Hangman, WordLadder, ...) and this
     machine does not have: read from its source, without importing it (the import would try the network)."""
     entry = _registry()[game].entry_point
     if not isinstance(entry, str):
-        return []
+        return ()
     root = Path(_textarena().__file__).parent
     module = entry.partition(":")[0].split(".")
     files = sorted(root.joinpath(*module[1:-1]).rglob("*.py"))  # the game's own package
@@ -82,7 +84,7 @@ def missing_downloads(game: str) -> list[str]:
             needed |= set(re.findall(r"['\"]([\w.-]+)['\"]", call))
         # shared helpers it imports (envs/utils/word_lists.py downloads the word list)
         files += [root / "envs" / "utils" / f"{name}.py" for name in re.findall(r"textarena\.envs\.utils\.(\w+)", source)]
-    return sorted(name for name in needed if not _has_nltk_data(name))
+    return tuple(sorted(name for name in needed if not _has_nltk_data(name)))
 
 
 def _has_nltk_data(name: str) -> bool:
@@ -136,10 +138,12 @@ class TextArenaEnv:
     chat template, a turn ends at the template's turn end. `game_kwargs` go to the game's constructor (e.g.
     GuessTheNumber's min_number, max_number, max_turns). `max_turns` bounds the model's turns, retries after
     invalid moves included (default: twice the game's own turn limit, else 30); a game still running then
-    scores 0 and is marked info["unfinished"]."""
+    scores 0 and is marked info["unfinished"]. `prompt` replaces the game's own opening text (its rules, ~130
+    tokens for GuessTheNumber) by yours, e.g. a short one for a small model; the game's other messages stay."""
 
     def __init__(self, game: str = "GuessTheNumber-v0-raw", format: str = "text", opponent: str | None = None,
-                 player: int = 0, max_turns: int | None = None, game_kwargs: dict | None = None):
+                 player: int = 0, max_turns: int | None = None, game_kwargs: dict | None = None,
+                 prompt: str | None = None):
         if format not in ("text", "chat"):
             raise ValueError(f"format must be 'text' or 'chat', got {format!r}")
         registry = _registry()
@@ -151,7 +155,7 @@ class TextArenaEnv:
             raise TextArenaError(f"textarena game {game!r} needs nltk data that is not on this machine "
                                  f"({', '.join(missing)}) and downloads it when imported; offline it cannot run. "
                                  f"Install it first: python -m nltk.downloader {' '.join(missing)}")
-        self.game_id, self.format, self.player = game, format, player
+        self.game_id, self.format, self.player, self.prompt = game, format, player, prompt
         self.game_kwargs = dict(game_kwargs or {})
         self.num_players = 1 if opponent is None else 2
         self.opponent_spec = opponent
@@ -184,7 +188,7 @@ class TextArenaEnv:
         return self.chat.messages if self.chat is not None else None
 
     def reset(self, task: dict) -> str:
-        for key, mine in (("game", self.game_id), ("game_kwargs", self.game_kwargs)):
+        for key, mine in (("game", self.game_id), ("game_kwargs", self.game_kwargs), ("prompt", self.prompt)):
             if key in task and task[key] != mine:
                 raise ValueError(f"task {task.get('question')!r} is for {key}={task[key]!r}, this environment plays "
                                  f"{key}={mine!r} (set env.kwargs and env.tasks_kwargs alike)")
@@ -199,7 +203,12 @@ class TextArenaEnv:
         done = self._play_opponent()
         if done:
             raise TextArenaError(f"{self.game_id} seed {task['seed']}: the game ended before the agent's first move")
-        text = self._render(self._observe())
+        messages = self._observe()
+        if self.prompt is not None:
+            ta = _textarena()
+            messages = [(ta.GAME_ID, self.prompt, ta.ObservationType.PROMPT)] + [
+                m for m in messages if m[2] != ta.ObservationType.PROMPT]
+        text = self._render(messages)
         if self.format == "text":
             return text + "\n"
         if self.chat is None:
@@ -214,10 +223,10 @@ class TextArenaEnv:
         if self._was_invalid():
             self.invalid_moves += 1
         done = done or self._play_opponent()
-        if done:
-            return self._finish()
-        if self.turns >= self.max_turns or (self.chat is not None and self.chat.ended_with_eos(action)):
-            return StepResult(None, 0.0, True, self._info(0.0, unfinished=True))
+        if done or self.turns >= self.max_turns or (self.chat is not None and self.chat.ended_with_eos(action)):
+            if self.chat is not None:  # the conversation keeps its last turn (preference rows are written from it)
+                self.chat.messages.append({"role": "assistant", "content": move})
+            return self._finish() if done else StepResult(None, 0.0, True, self._info(0.0, unfinished=True))
         text = self._render(self._observe())
         if self.chat is None:
             return StepResult("\n" + text + "\n", 0.0, False, self._info(None))
@@ -323,9 +332,10 @@ def _unwrapped(env):
 # --- tasks and demonstrations ---------------------------------------------------------------------------------
 
 def textarena_tasks(n: int, seed: int = 0, split: str = "train", game: str = "GuessTheNumber-v0-raw",
-                    game_kwargs: dict | None = None) -> list[dict]:
+                    game_kwargs: dict | None = None, prompt: str | None = None) -> list[dict]:
     """`n` distinct game seeds of `split`: a seed belongs to "train" or "eval" by a hash of the game id and the
-    seed (agentrl.data.split_of), so the splits never overlap and are the same on every run and machine."""
+    seed (agentrl.data.split_of), so the splits never overlap and are the same on every run and machine.
+    `game_kwargs` and `prompt` ride along for the demonstrations (TextArenaEnv.reset checks they are its own)."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     rng, tasks, seen = random.Random(f"textarena-{game}-{seed}-{split}"), [], set()
@@ -336,7 +346,8 @@ def textarena_tasks(n: int, seed: int = 0, split: str = "train", game: str = "Gu
             continue
         seen.add(game_seed)
         tasks.append({"question": question, "game": game, "seed": game_seed,
-                      **({"game_kwargs": dict(game_kwargs)} if game_kwargs else {})})
+                      **({"game_kwargs": dict(game_kwargs)} if game_kwargs else {}),
+                      **({"prompt": prompt} if prompt is not None else {})})
     return tasks
 
 
@@ -348,7 +359,7 @@ def guess_the_number_moves(task: dict, rng: random.Random, good_share: float = G
     empty observation. Each turn writes the range the hints leave, then a guess: its middle with probability
     `good_share` (binary search: always wins in ceil(log2(n + 1)) turns), else its low end (a linear search,
     which runs out of turns on high numbers), so RL has a better move to find."""
-    env = TextArenaEnv(task["game"], game_kwargs=task.get("game_kwargs"))
+    env = _player_env(task)
     env.reset(task)
     low, high = env.game.min_number, env.game.max_number
     moves = []
@@ -364,10 +375,20 @@ def guess_the_number_moves(task: dict, rng: random.Random, good_share: float = G
             high = guess - 1
 
 
+_PLAYER_ENVS: dict = {}  # one text-format environment per game and kwargs, reset for each demonstration
+
+
+def _player_env(task: dict) -> TextArenaEnv:
+    key = (task["game"], repr(sorted((task.get("game_kwargs") or {}).items())), task.get("prompt"))
+    if key not in _PLAYER_ENVS:
+        _PLAYER_ENVS[key] = TextArenaEnv(task["game"], game_kwargs=task.get("game_kwargs"), prompt=task.get("prompt"))
+    return _PLAYER_ENVS[key]
+
+
 def guess_the_number_demonstration(task: dict, rng: random.Random) -> dict:
     """One SFT row (text format), split where the rollout engine splits turns: reset(task), then each turn
     through its `[guess]` (trainable) and the game's answer (not trainable)."""
-    prompt = TextArenaEnv(task["game"], game_kwargs=task.get("game_kwargs")).reset(task)
+    prompt = _player_env(task).reset(task)
     segments: list[list[Any]] = [[prompt, False]]
     for turn, observation in guess_the_number_moves(task, rng):
         segments.append([turn, True])
