@@ -59,6 +59,11 @@ class GRPOConfig:
     tracker_kwargs: dict = field(default_factory=dict)  # passed to init_trackers(init_kwargs=...)
     logprob_mismatch_threshold: float | None = 0.05  # error when the mean |recomputed - sampled| logprob at
     # the rollout's weights exceeds this (None: only logged as rollout/logprob_mismatch_*)
+    dynamic_sampling: bool = False  # DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476): groups whose
+    # scores are all equal (no advantage, no gradient) are dropped and more tasks are rolled out in their place;
+    # the update keeps tasks_per_step groups (logged: grpo/dropped_groups, grpo/sampling_rounds)
+    max_sampling_rounds: int = 3  # dynamic_sampling: rollouts of tasks_per_step tasks per step at most, the first
+    # included; groups still missing after them are filled with dropped ones (zero advantage)
     tis_clip: float | None = None  # truncated importance sampling (Yao et al. 2025; algos/losses.tis_weights): each
     # token's policy loss times min(pi_old / pi_sampler, tis_clip), for a sampler that is not the trainer
     # (rollout.backend: vllm; 2.0 is the paper's C). None: off
@@ -67,7 +72,7 @@ class GRPOConfig:
         if self.tis_clip is not None and self.tis_clip <= 0:
             raise ValueError(f"tis_clip must be > 0 (or None: off), got {self.tis_clip}")
         for name in ("tasks_per_step", "num_generations", "num_iterations", "mini_batch_size",
-                     "gradient_accumulation_steps"):
+                     "gradient_accumulation_steps", "max_sampling_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.temperature < math.inf:  # a comparison with NaN is False: NaN fails too
@@ -139,21 +144,18 @@ class GRPOTrainer:
         cycler, history = resumed_cycler(self, tasks, cfg.seed), []
         bar = progress_bar(steps, cfg.advantage.upper(), progress and self.accelerator.is_main_process)
         for i in range(steps):
-            # Every rank draws the same tasks and keeps its own tasks_per_step of them (tasks, not episodes,
-            # are split: a group never spans two ranks). Consecutive copies of a task form its group.
-            global_tasks = cycler.draw(cfg.tasks_per_step * self.accelerator.num_processes)
-            with self.accelerator.split_between_processes(global_tasks) as my_tasks:
-                batch_tasks = [t for t in my_tasks for _ in range(cfg.num_generations)]
             sync_seconds, sampler = None, None
             if self.rollout_backend is not None:  # vLLM samples with this step's weights
                 sync_seconds, sampler = self.rollout_backend.sync_weights(self.policy), self.rollout_backend.sample
             started = time.time()
-            with gathered_for_generation(self.accelerator, self.model):
-                episodes = rollout(self.policy, self.tokenizer, env_factory, batch_tasks, sampling, sampler=sampler)
-            if score_hook is not None:  # e.g. reward models adding to the environment's scores
-                score_hook(episodes)
+            episodes = self._rollout_groups(cycler, env_factory, sampling, sampler, score_hook)
+            sampled, extra = episodes, {}
+            if cfg.dynamic_sampling:
+                episodes, sampled, extra = self._informative_groups(episodes, cycler, env_factory, sampling, sampler,
+                                                                    score_hook)
             stats = self._update(episodes)
-            stats.update(mean_over_processes(self.accelerator, episode_metrics(episodes)))
+            stats.update(extra)
+            stats.update(mean_over_processes(self.accelerator, episode_metrics(sampled)))
             stats["time/rollout"] = time.time() - started - stats["time/update"]
             if sync_seconds is not None:
                 stats["time/weight_sync"] = sync_seconds
@@ -172,6 +174,54 @@ class GRPOTrainer:
             bar.close()
         return history
 
+    def _rollout_groups(self, cycler, env_factory: Callable, sampling: SamplingParams, sampler, score_hook) -> list[Episode]:
+        """One rollout of num_generations episodes for each of tasks_per_step tasks (this process's share)."""
+        cfg = self.config
+        # Every rank draws the same tasks and keeps its own tasks_per_step of them (tasks, not episodes,
+        # are split: a group never spans two ranks). Consecutive copies of a task form its group.
+        global_tasks = cycler.draw(cfg.tasks_per_step * self.accelerator.num_processes)
+        with self.accelerator.split_between_processes(global_tasks) as my_tasks:
+            batch_tasks = [t for t in my_tasks for _ in range(cfg.num_generations)]
+        with gathered_for_generation(self.accelerator, self.model):
+            episodes = rollout(self.policy, self.tokenizer, env_factory, batch_tasks, sampling, sampler=sampler)
+        if score_hook is not None:  # e.g. reward models adding to the environment's scores
+            score_hook(episodes)
+        return episodes
+
+    def _informative_groups(self, episodes: list[Episode], cycler, env_factory: Callable, sampling: SamplingParams,
+                            sampler, score_hook) -> tuple[list[Episode], list[Episode], dict]:
+        """Dynamic sampling: (the episodes of tasks_per_step groups for the update, every episode sampled, stats).
+        Groups whose scores (as the update sees them) are all equal are set aside and more are rolled out, up to
+        max_sampling_rounds rollouts; set-aside groups fill whatever is still missing."""
+        cfg, G = self.config, self.config.num_generations
+        kept, spare, sampled, rounds = [], [], list(episodes), 1
+        while True:
+            for g in range(0, len(episodes), G):
+                group = episodes[g:g + G]
+                valid = [ep for ep in group if not ep.infra_failure]
+                scores = self._scores(valid).tolist()
+                (kept if len(valid) > 1 and max(scores) - min(scores) > 1e-8 else spare).append(group)
+            missing = torch.tensor(float(cfg.tasks_per_step - len(kept)), device=self.accelerator.device)
+            if self.accelerator.num_processes > 1:  # every rank rolls out as many rounds (collectives line up)
+                missing = self.accelerator.reduce(missing, "max")
+            if missing.item() <= 0 or rounds == cfg.max_sampling_rounds:
+                break
+            episodes = self._rollout_groups(cycler, env_factory, sampling, sampler, score_hook)
+            sampled += episodes
+            rounds += 1
+        groups = (kept + spare)[: cfg.tasks_per_step]
+        n = len(kept) + len(spare)
+        stats = {"grpo/dropped_groups": len(spare) / n, "grpo/sampling_rounds": float(rounds),
+                 "grpo/uninformative_groups_used": max(0, cfg.tasks_per_step - len(kept)) / cfg.tasks_per_step}
+        return [ep for group in groups for ep in group], sampled, stats
+
+    def _scores(self, episodes: list[Episode]) -> torch.Tensor:
+        """(N,) episode scores as the update uses them (missing_eos_penalty applied)."""
+        scores = torch.tensor([ep.score for ep in episodes])
+        if self.config.missing_eos_penalty is not None:
+            scores = scores - self.config.missing_eos_penalty * torch.tensor([float(ep.truncated) for ep in episodes])
+        return scores
+
     def advantages(self, scores: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """(N,) episode scores in consecutive groups -> (N,) advantages; `valid` (N,) False for episodes left out."""
         G = self.config.num_generations
@@ -189,9 +239,7 @@ class GRPOTrainer:
     def _update(self, episodes: list[Episode]) -> dict[str, float]:
         cfg, t0 = self.config, time.time()
         eval_mode(self.model)
-        scores = torch.tensor([ep.score for ep in episodes])
-        if cfg.missing_eos_penalty is not None:
-            scores = scores - cfg.missing_eos_penalty * torch.tensor([float(ep.truncated) for ep in episodes])
+        scores = self._scores(episodes)
         # Episodes that failed outside the policy: out of the group baselines and (mask 0) out of the loss.
         valid = torch.tensor([not ep.infra_failure for ep in episodes])
         advantages = self.advantages(scores, None if valid.all() else valid).to(self.accelerator.device)
