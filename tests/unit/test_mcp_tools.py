@@ -2,7 +2,6 @@
 same ids, masks and rewards as the in-process calculator, every failure an observation within its timeout,
 and no server process left behind."""
 
-import os
 import signal
 import socket
 import subprocess
@@ -132,9 +131,9 @@ def test_a_server_dying_mid_episode_is_an_observation_and_it_is_restarted():
     env = MCPToolEnv(server=SERVER, check=CHECK, format="chat", timeout=2.0)
     first_pid = int(env.runner(ToolCall("pid", {}))[0])
     started = time.monotonic()
+    text, ok = env.runner(ToolCall("die", {}))
+    assert not ok and "closed the connection" in text and time.monotonic() - started < 2.0
     with pytest.warns(UserWarning, match="restarting it"):
-        text, ok = env.runner(ToolCall("die", {}))
-        assert not ok and "closed the connection" in text and time.monotonic() - started < 2.0
         text, ok = env.runner(ToolCall("calculator", {"expression": "1 + 1"}))  # restarting: an observation
     assert not psutil.pid_exists(first_pid) or psutil.Process(first_pid).status() == psutil.STATUS_ZOMBIE
     deadline = time.monotonic() + 60
@@ -225,3 +224,23 @@ def test_bad_servers_and_options_are_errors_naming_them():
                    check=CHECK)
     assert time.monotonic() - started < 20
     assert server_processes("time.sleep(60)") == []  # the server that never answered was stopped
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_tool_given_by_its_schema_and_a_failure_worded_for_the_model(isolation):
+    """What MCPToolEnv builds on, without a server: Tool(schema, fn) and ToolFailure."""
+    from agentrl.envs.tools import Tool, ToolFailure, ToolRunner
+
+    schema = {"type": "function", "function": {"name": "echo", "description": "Echo the text.", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+
+    def anything(**arguments):
+        if arguments["text"] == "bad":
+            raise ToolFailure("echo refuses 'bad'")
+        return arguments["text"]
+
+    runner = ToolRunner([Tool(schema, anything)], isolation=isolation)
+    assert runner.schemas == {"echo": schema}
+    assert runner(ToolCall("echo", {"text": "hi"})) == ("hi", True)
+    assert runner(ToolCall("echo", {"text": "bad"})) == ("Error: echo refuses 'bad'", False)
+    assert runner(ToolCall("echo", {"text": 1})) == ("Error: echo: argument 'text' must be string, got int", False)

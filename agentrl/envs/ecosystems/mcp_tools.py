@@ -15,9 +15,10 @@ template's `tools=`; ReAct: a tool list in the prompt).
 
 Every failure is an observation, never an exception into the training loop: an unknown tool and arguments
 that do not fit the schema are caught before the call (ToolRunner); a tool error is the server's message; a hang
-is the runner's timeout; a server that died or closed the connection is reported and restarted on the next
-call. Servers started here (stdio) are stopped at exit (atexit), and on Linux get PR_SET_PDEATHSIG, so they
-are killed when this process dies without running atexit (SIGKILL, an unhandled SIGTERM).
+is the runner's timeout; a server that died or closed the connection is reported and restarted (a URL:
+reconnected) on the next call. Servers started here (stdio) are stopped at exit (atexit), and on Linux get
+PR_SET_PDEATHSIG, so they are killed when this process dies without running atexit (SIGKILL, an unhandled
+SIGTERM).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import atexit
 import concurrent.futures
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -35,6 +37,7 @@ from typing import Any, Callable
 
 from agentrl.envs.base import load_object
 from agentrl.envs.tools import Tool, ToolEnv, ToolFailure
+from agentrl.errors import UserError
 
 # Runs the server's command with PR_SET_PDEATHSIG(SIGKILL): the kernel kills it when the thread that started it
 # (the loop thread, which lives as long as this process) ends. argv: parent pid, command, args. A server whose
@@ -44,8 +47,9 @@ _PDEATHSIG_EXEC = ("import ctypes, os, signal, sys; ctypes.CDLL(None, use_errno=
 _SERVER_KEYS = {"command", "args", "env", "cwd", "url", "headers", "startup_timeout"}
 
 
-class MCPServerError(RuntimeError):
-    """A server that cannot be started or listed (at environment construction, so a config error)."""
+class MCPServerError(UserError):
+    """A server that cannot be started or listed: at environment construction, so the job reports the config
+    (`agentrl: error: env.kwargs.server: ...`, one line)."""
 
 
 class _Loop:
@@ -122,7 +126,7 @@ class MCPConnection:
             self.ready.result()  # bounded: _give_up ends the attempt after startup_timeout
         except Exception as e:  # noqa: BLE001 - whatever the transport raised, named with the server
             self.close()
-            raise MCPServerError(f"MCP server {self.label!r} could not be started or listed: "
+            raise MCPServerError(f"env.kwargs.server: MCP server {self.label!r} could not be started or listed: "
                                  f"{self.closed_reason or _error_text(e)}") from None
 
     def _give_up(self, timeout: float) -> None:
@@ -142,6 +146,8 @@ class MCPConnection:
         command, args = self.spec["command"], list(self.spec.get("args", []))
         if command in ("python", "python3"):  # this run's interpreter, so the server sees the same packages
             command = sys.executable
+        if shutil.which(command) is None:  # said here: behind the launcher it would read as "connection closed"
+            raise FileNotFoundError(f"command {command!r} not found (not on PATH, or not executable)")
         if sys.platform.startswith("linux"):
             command, args = sys.executable, ["-c", _PDEATHSIG_EXEC, str(os.getpid()), command, *args]
         env = {str(k): str(v) for k, v in (self.spec.get("env") or {}).items()}
@@ -169,7 +175,9 @@ class MCPConnection:
                 self.ready.set_result(True)
                 await self._stop.wait()
         except BaseException as e:  # noqa: BLE001 - reported to start() or to the next call, never raised here
-            self.closed_reason = self.closed_reason or f"connection ended ({_error_text(e)})"
+            self.closed_reason = self.closed_reason or (
+                "the server closed the connection (it exited or crashed; its stderr is this run's)"
+                if _connection_closed(e) else f"connection ended ({_error_text(e)})")
             if not self.ready.done():
                 self.ready.set_exception(e if isinstance(e, Exception) else RuntimeError(self.closed_reason))
             if not isinstance(e, Exception):  # cancelled, or the interpreter is going down
@@ -212,6 +220,7 @@ class MCPConnection:
                                   f"restarted for the next call") from None
             raise ToolFailure(f"{name}: MCP error {e.code}: {e.error.message}") from None
         except Exception as e:  # noqa: BLE001 - a transport failure is the model's observation too
+            self.closed_reason = self.closed_reason or f"the call failed ({_error_text(e)})"  # reconnect next time
             raise ToolFailure(f"{name}: MCP call failed: {_error_text(e)}") from None
         text = _result_text(result)
         if result.is_error:
@@ -244,6 +253,15 @@ _LIVE: set[MCPConnection] = set()  # connections whose task has not ended: what 
 _LIVE_LOCK = threading.Lock()
 
 
+def _connection_closed(e: BaseException) -> bool:
+    from mcp.shared.exceptions import MCPError
+    from mcp_types import CONNECTION_CLOSED
+
+    if isinstance(e, BaseExceptionGroup):
+        return any(_connection_closed(x) for x in e.exceptions)
+    return isinstance(e, MCPError) and e.code == CONNECTION_CLOSED
+
+
 def _error_text(e: BaseException) -> str:
     if isinstance(e, BaseExceptionGroup):
         return "; ".join(_error_text(x) for x in e.exceptions)
@@ -256,8 +274,11 @@ def _result_text(result) -> str:
     parts = []
     for block in result.content:
         text = getattr(block, "text", None)
-        parts.append(text if isinstance(text, str) else f"[{getattr(block, 'type', 'content')} "
-                     f"{getattr(block, 'mime_type', None) or getattr(block, 'uri', '')}]".replace(" ]", "]"))
+        if isinstance(text, str):
+            parts.append(text)
+        else:  # an image, audio or a resource: the model reads what it was, not its bytes
+            what = getattr(block, "mime_type", None) or getattr(block, "uri", None)
+            parts.append(f"[{getattr(block, 'type', 'content')}{f' {what}' if what else ''}]")
     if not parts and result.structured_content is not None:
         return json.dumps(result.structured_content)
     return "\n".join(parts)
