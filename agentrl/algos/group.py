@@ -57,6 +57,48 @@ def rloo_advantages(scores: torch.Tensor, group_size: int, valid: torch.Tensor |
     return torch.where(n > 1, out, torch.zeros_like(out)).view(-1)
 
 
+def turn_returns(turn_rewards: list[float], gamma: float = 1.0) -> list[float]:
+    """R_t = sum_{k >= t} gamma^(k-t) r_k: what followed each turn's action, its own reward included."""
+    out, running = [], 0.0
+    for r in reversed(turn_rewards):
+        running = r + gamma * running
+        out.append(running)
+    return out[::-1]
+
+
+def anchor_state_advantages(group_ids: list, state_keys: list[list], returns: list[list[float]],
+                            normalize_std: bool = True, eps: float = 1e-4) -> list[list[float]]:
+    """Step-level advantages of GiGPO (Feng et al. 2025, arXiv:2505.10978): the turns taken from the same state
+    (same group, same key) by different episodes form a step group, and each turn's return is compared within
+    it: A_t = (R_t - mean) / (std + eps) (unbiased std; `normalize_std=False`: R_t - mean). A turn whose state
+    no other episode of its group reached gets 0 (nothing to compare with), as does a step group of equal returns.
+
+    group_ids[i]: episode i's group; state_keys[i][t], returns[i][t]: the state before its turn t (hashable)
+    and that turn's return. Returns A[i][t], the same shape as returns.
+    """
+    members: dict[tuple, list[float]] = {}
+    for g, keys, rets in zip(group_ids, state_keys, returns):
+        for key, ret in zip(keys, rets):
+            members.setdefault((g, key), []).append(ret)
+    moments = {}
+    for k, rets in members.items():
+        n = len(rets)
+        mean = sum(rets) / n
+        std = (sum((x - mean) ** 2 for x in rets) / (n - 1)) ** 0.5 if n > 1 else 0.0
+        moments[k] = (n, mean, std)
+    out = []
+    for g, keys, rets in zip(group_ids, state_keys, returns):
+        row = []
+        for key, ret in zip(keys, rets):
+            n, mean, std = moments[(g, key)]
+            if n < 2 or std == 0:
+                row.append(0.0)
+            else:
+                row.append((ret - mean) / (std + eps) if normalize_std else ret - mean)
+        out.append(row)
+    return out
+
+
 def zero_variance_fraction(scores: torch.Tensor, group_size: int) -> float:
     """Fraction of groups whose scores are all equal (no learning signal)."""
     g = _groups(scores, group_size)
@@ -69,7 +111,7 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
               tis_weights: torch.Tensor | None = None):
     """Clipped ratio objective with per-sequence advantages broadcast to every completion token.
 
-    logprobs, old_logprobs, mask, ref_logprobs: (B, T); advantages: (B,).
+    logprobs, old_logprobs, mask, ref_logprobs: (B, T); advantages: (B,), or (B, T) for per-token ones.
     per-token loss = -min(r A, clip(r, 1-eps, 1+eps_high) A) * w + beta * k3(ref, logp), w = `tis_weights`
     (B, T) when given (truncated importance sampling, algos/losses.tis_weights), else 1.
     aggregation "token_mean": mean over all tokens of the batch (long answers weigh more, DAPO's choice);
@@ -80,7 +122,7 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
         raise ValueError(f"aggregation must be 'token_mean' or 'sequence_mean', got {aggregation!r}")
     eps_high = epsilon if epsilon_high is None else epsilon_high
     ratio = torch.exp(logprobs - old_logprobs)
-    adv = advantages[:, None]
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]  # (B, T) per token, or (B,) per sequence
     unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv
     per_token = -torch.min(unclipped, clipped)
     if tis_weights is not None:

@@ -42,6 +42,8 @@ class Episode:
     messages: list[dict] | None = None  # chat environments: the conversation as messages, prompt included
     tools: list[dict] | None = None  # chat environments: the tool schemas the template rendered
     chat_template_kwargs: dict | None = None  # chat environments: extra template arguments (enable_thinking, ...)
+    state_keys: list = field(default_factory=list)  # per turn, the environment's info["state_key"] after it (None
+    # when it gives none): which states of different episodes are the same (GRPO's step advantages)
 
     @property
     def score(self) -> float:
@@ -162,6 +164,7 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
             cached[i] = len(ep.prompt_ids) + len(ep.token_ids) - 1  # all but the last sampled token are in kv
             ep.truncated |= sample.finish == "length"
             ep.turn_rewards.append(float(result.reward))
+            ep.state_keys.append(result.info.get("state_key"))
             # The last step's info, but a failure outside the policy, once reported, stays with the episode.
             ep.info = {**result.info, INFRA_FAILURE: True} if ep.info.get(INFRA_FAILURE) else result.info
             # EOS ends the episode, whatever the environment would allow, unless the environment says its

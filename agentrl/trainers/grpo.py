@@ -19,7 +19,8 @@ from typing import Callable, Literal
 import torch
 from accelerate.utils import set_seed
 
-from agentrl.algos import group_advantages, grpo_loss, masked_mean, rloo_advantages, zero_variance_fraction
+from agentrl.algos import (anchor_state_advantages, group_advantages, grpo_loss, masked_mean, rloo_advantages,
+                           turn_returns, zero_variance_fraction)
 from agentrl.algos.losses import tis_weights
 from agentrl.rollout.engine import Episode, episode_metrics, rollout
 from agentrl.rollout.sampling import SamplingParams
@@ -59,6 +60,12 @@ class GRPOConfig:
     tracker_kwargs: dict = field(default_factory=dict)  # passed to init_trackers(init_kwargs=...)
     logprob_mismatch_threshold: float | None = 0.05  # error when the mean |recomputed - sampled| logprob at
     # the rollout's weights exceeds this (None: only logged as rollout/logprob_mismatch_*)
+    step_advantage_weight: float = 0.0  # GiGPO (Feng et al. 2025, arXiv:2505.10978): each token's advantage is its
+    # episode's plus this times its turn's step advantage (the turn's return against those of the other turns
+    # taken from the same state in its group; algos/group.anchor_state_advantages). 0: off; the paper uses 1
+    step_gamma: float = 0.95  # discount of the turn returns behind step advantages
+    state_match: Literal["tokens", "env"] = "tokens"  # which states are the same: "tokens", the exact token ids
+    # of the history before the turn; "env", the environment's info["state_key"] after the previous turn
     dynamic_sampling: bool = False  # DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476): groups whose
     # scores are all equal (no advantage, no gradient) are dropped and more tasks are rolled out in their place;
     # the update keeps tasks_per_step groups (logged: grpo/dropped_groups, grpo/sampling_rounds)
@@ -81,6 +88,9 @@ class GRPOConfig:
             raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate}")
         if not 0 <= self.beta < math.inf:  # a negative beta would reward drifting away from the reference
             raise ValueError(f"beta must be a finite number >= 0, got {self.beta}")
+        if not 0 <= self.step_advantage_weight < math.inf or not 0 <= self.step_gamma <= 1:
+            raise ValueError(f"step_advantage_weight must be >= 0 and step_gamma in [0, 1], got "
+                             f"{self.step_advantage_weight} and {self.step_gamma}")
         if self.num_generations == 1 and self.advantage != "dr_grpo":
             warnings.warn("num_generations=1: every group has one episode, so every advantage is 0", stacklevel=3)
 
@@ -222,6 +232,50 @@ class GRPOTrainer:
             scores = scores - self.config.missing_eos_penalty * torch.tensor([float(ep.truncated) for ep in episodes])
         return scores
 
+    def _step_advantages(self, episodes: list[Episode], valid: torch.Tensor, shape) -> tuple[torch.Tensor, dict]:
+        """GiGPO's step advantages put on each turn's sampled tokens: (N, T-1) aligned with the TokenBatch, and
+        stats (the share of turns whose state another episode of the group also reached: where it can help)."""
+        cfg = self.config
+        keys, returns, groups, rows = [], [], [], []
+        for i, ep in enumerate(episodes):
+            if not valid[i]:
+                continue
+            rows.append(i)
+            groups.append(i // cfg.num_generations)
+            returns.append(turn_returns(ep.turn_rewards, cfg.step_gamma))
+            keys.append([self._state_key(ep, t) for t in range(ep.num_turns)])
+        step = anchor_state_advantages(groups, keys, returns)
+        out = torch.zeros(shape)
+        for i, row in zip(rows, step):
+            ep, n, turn = episodes[i], len(episodes[i].prompt_ids), 0
+            for j, sampled in enumerate(ep.loss_mask):  # token j of token_ids is predicted at position n + j - 1
+                while turn < len(ep.turn_ends) and ep.turn_ends[turn] < j:
+                    turn += 1
+                if sampled:
+                    out[i, n + j - 1] = row[turn]
+        counts: dict = {}
+        for g, ks in zip(groups, keys):
+            for k in ks:
+                counts[(g, k)] = counts.get((g, k), 0) + 1
+        shared = [counts[(g, k)] > 1 for g, ks in zip(groups, keys) for k in ks[1:]]  # turn 0: the task's prompt
+        return out, {"grpo/step_states_shared": sum(shared) / max(len(shared), 1),
+                     "grpo/step_advantages_abs_mean": sum(abs(a) for r in step for a in r) / max(sum(map(len, step)), 1)}
+
+    def _state_key(self, ep: Episode, turn: int):
+        """The state before `turn`: the exact token ids of the history, or the environment's state_key."""
+        if turn == 0:
+            return "reset"  # every episode of a group starts from its task's prompt
+        if self.config.state_match == "env":
+            key = ep.state_keys[turn - 1]
+            if key is None:
+                raise ValueError("grpo.state_match='env' needs the environment to put info['state_key'] (a hashable "
+                                 "description of the state) in every step's StepResult; it gave none")
+            return key
+        start = ep.turn_ends[turn - 1] + 1
+        while start < len(ep.loss_mask) and not ep.loss_mask[start]:  # past the observation
+            start += 1
+        return tuple(ep.prompt_ids + ep.token_ids[:start])
+
     def advantages(self, scores: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """(N,) episode scores in consecutive groups -> (N,) advantages; `valid` (N,) False for episodes left out."""
         G = self.config.num_generations
@@ -242,10 +296,15 @@ class GRPOTrainer:
         scores = self._scores(episodes)
         # Episodes that failed outside the policy: out of the group baselines and (mask 0) out of the loss.
         valid = torch.tensor([not ep.infra_failure for ep in episodes])
-        advantages = self.advantages(scores, None if valid.all() else valid).to(self.accelerator.device)
+        advantages = self.advantages(scores, None if valid.all() else valid)
         full = episodes_to_batch(episodes, self.tokenizer.pad_token_id)
         check_batch(episodes, full)
         mask_infra_failures(episodes, full)
+        step_stats = {}
+        if cfg.step_advantage_weight > 0:  # (N, T-1): the episode's advantage plus the weighted step advantage
+            step, step_stats = self._step_advantages(episodes, valid, full.loss_mask.shape)
+            advantages = advantages[:, None] + cfg.step_advantage_weight * step
+        advantages = advantages.to(self.accelerator.device)
         full = full.to(self.accelerator.device)
         # loss_mask (B, T-1): 1 on sampled tokens; prompt, tool observations and padding are 0.
         chunks = [torch.arange(s, min(s + cfg.mini_batch_size, len(full))) for s in range(0, len(full), cfg.mini_batch_size)]
@@ -291,7 +350,8 @@ class GRPOTrainer:
                         tis, tis_stats = tis_weights(mb_old, mb.logprobs, mb.loss_mask, cfg.tis_clip)
                         for k, v in tis_stats.items():
                             acc[f"tis/{k}"].append(v.item())
-                    loss, st = grpo_loss(logprobs, mb_old, advantages[idx], mb.loss_mask, cfg.epsilon,
+                    mb_adv = advantages[idx] if advantages.dim() == 1 else advantages[idx, :w]
+                    loss, st = grpo_loss(logprobs, mb_old, mb_adv, mb.loss_mask, cfg.epsilon,
                                          cfg.epsilon_high, cfg.beta, None if ref is None else ref[idx, :w],
                                          cfg.loss_aggregation, tis)
                     # Several processes, token_mean: a mean over the global mini-batch's tokens. (sequence_mean
@@ -321,7 +381,9 @@ class GRPOTrainer:
             "grpo/mean_scores": all_scores.mean().item(),
             "grpo/std_scores": all_scores.std(unbiased=False).item(),
             "grpo/zero_variance_groups": zero_variance_fraction(all_scores, cfg.num_generations),
-            "grpo/advantages_abs_mean": advantages.abs().mean().item(),
+            "grpo/advantages_abs_mean": (advantages.abs().mean() if advantages.dim() == 1 else
+                                         masked_mean(advantages.abs(), full.loss_mask)).item(),
+            **step_stats,
             "grpo/learning_rate": self.optimizer.param_groups[0]["lr"],
             "time/update": time.time() - t0,
         })

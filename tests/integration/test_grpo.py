@@ -1,5 +1,7 @@
 """GRPO on the real rollout engine: groups, no reference forward at beta 0, two-step masks."""
 
+import math
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -115,3 +117,41 @@ def test_an_episode_failed_outside_the_policy_gives_no_gradient(tiny_base, advan
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, bonus))
     _, unflagged = step(50.0, False)
     assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, unflagged))
+
+
+def test_step_advantages_land_on_each_turns_tokens(tiny_base):
+    """Two episodes of one task: the same first action (same state after it) then different second actions.
+    Token-history matching puts them in one step group at turn 1; each turn's tokens carry that turn's value."""
+    from agentrl.rollout.engine import Episode
+
+    tok = AutoTokenizer.from_pretrained(tiny_base)
+    trainer = GRPOTrainer(GRPOConfig(tasks_per_step=1, num_generations=2, mini_batch_size=2, step_advantage_weight=1.0,
+                                     step_gamma=1.0), lora(tiny_base), tok)
+    # prompt [1, 2]; turn 0 samples [5, 6], observation [7]; turn 1 samples [8] or [9, 9].
+    a = Episode(task={}, prompt_ids=[1, 2], token_ids=[5, 6, 7, 8], loss_mask=[1, 1, 0, 1], logprobs=[0.0] * 4,
+                turn_ends=[1, 3], turn_rewards=[0.0, 1.0], state_keys=[None, None])
+    b = Episode(task={}, prompt_ids=[1, 2], token_ids=[5, 6, 7, 9, 9], loss_mask=[1, 1, 0, 1, 1], logprobs=[0.0] * 5,
+                turn_ends=[1, 4], turn_rewards=[0.0, 0.0], state_keys=[None, None])
+    step, stats = trainer._step_advantages([a, b], torch.tensor([True, True]), (2, 6))
+    s = 0.5 / (0.5 ** 0.5 + 1e-4)  # returns (1, 0) at both turns: mean 0.5, std sqrt(0.5)
+    assert torch.allclose(step[0], torch.tensor([0.0, s, s, 0.0, s, 0.0]), atol=1e-5)  # positions n + j - 1
+    assert torch.allclose(step[1], torch.tensor([0.0, -s, -s, 0.0, -s, -s]), atol=1e-5)
+    assert stats["grpo/step_states_shared"] == 1.0
+    # Different first actions: different states at turn 1, nothing to compare there.
+    b.token_ids[0] = 4
+    step, stats = trainer._step_advantages([a, b], torch.tensor([True, True]), (2, 6))
+    assert step[0, 4] == 0 and step[1, 4] == 0 and stats["grpo/step_states_shared"] == 0.0
+
+
+def test_grpo_with_step_advantages_trains_on_the_multistep_calculator(tiny_base):
+    tok = AutoTokenizer.from_pretrained(tiny_base)
+    trainer = GRPOTrainer(GRPOConfig(tasks_per_step=2, num_generations=4, mini_batch_size=8, learning_rate=1e-2,
+                                     step_advantage_weight=1.0, logprob_mismatch_threshold=None), lora(tiny_base), tok)
+    before = [p.detach().clone() for p in trainer.policy.parameters() if p.requires_grad]
+    history = trainer.train(MultiStepCalculatorEnv, multistep_tasks(8), steps=2, sampling=SamplingParams(max_new_tokens=16),
+                            progress=False)
+    assert all(0 <= h["grpo/step_states_shared"] <= 1 for h in history)
+    assert all(math.isfinite(h["grpo/loss"]) for h in history)
+    after = [p.detach() for p in trainer.policy.parameters() if p.requires_grad]
+    signal = any(h["grpo/zero_variance_groups"] < 1 or h["grpo/step_advantages_abs_mean"] > 0 for h in history)
+    assert signal == any(not torch.equal(x, y) for x, y in zip(before, after))

@@ -72,3 +72,39 @@ def test_left_out_episodes_are_no_ones_baseline():
     every = torch.ones(8, dtype=torch.bool)
     assert torch.allclose(group_advantages(scores, 4, valid=every), group_advantages(scores, 4), atol=1e-6)
     assert torch.allclose(rloo_advantages(scores, 4, valid=every), rloo_advantages(scores, 4))
+
+
+def test_turn_returns_by_hand():
+    from agentrl.algos import turn_returns
+
+    assert turn_returns([0.0, 0.0, 1.0], 0.5) == [0.25, 0.5, 1.0]
+    assert turn_returns([1.0, -1.0], 1.0) == [0.0, -1.0]
+    assert turn_returns([], 0.9) == []
+
+
+def test_anchor_state_advantages_by_hand():
+    """GiGPO step groups: same group and same state. Group 0: three episodes; after turn 0, two of them reach
+    state "s1" (returns 1.0 and 0.0) and one "s2" (alone: 0). Group 1 reuses the key "s1" but is its own group."""
+    from agentrl.algos import anchor_state_advantages
+
+    groups = [0, 0, 0, 1, 1]
+    keys = [["reset", "s1"], ["reset", "s1"], ["reset", "s2"], ["reset", "s1"], ["reset"]]
+    returns = [[0.5, 1.0], [0.0, 0.0], [2.0, 2.0], [1.0, 1.0], [1.0]]
+    got = anchor_state_advantages(groups, keys, returns, eps=0.0)
+    # reset of group 0: returns 0.5, 0.0, 2.0: mean 5/6, unbiased std sqrt(((1/3)^2 + (5/6)^2 + (7/6)^2) / 2)
+    mean, std = 5 / 6, (((1 / 3) ** 2 + (5 / 6) ** 2 + (7 / 6) ** 2) / 2) ** 0.5
+    s1 = 0.5 / (0.5 ** 0.5)  # returns 1.0 and 0.0: mean 0.5, std sqrt(0.5)
+    want = [[(0.5 - mean) / std, s1], [(0.0 - mean) / std, -s1], [(2.0 - mean) / std, 0.0], [0.0, 0.0], [0.0]]
+    assert all(a == pytest.approx(b) for ra, rb in zip(got, want) for a, b in zip(ra, rb))
+    dr = anchor_state_advantages(groups, keys, returns, normalize_std=False)
+    assert dr[0][1] == pytest.approx(0.5) and dr[1][1] == pytest.approx(-0.5) and dr[2][1] == 0.0
+
+
+def test_single_turn_step_advantages_are_the_group_advantages():
+    """With one turn per episode every episode of a group starts from the same state: GiGPO's step groups are
+    GRPO's groups (gamma irrelevant), so the two advantages coincide."""
+    from agentrl.algos import anchor_state_advantages
+
+    scores = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 0.0])
+    step = anchor_state_advantages([0, 0, 0, 1, 1, 1], [["reset"]] * 6, [[float(s)] for s in scores])
+    assert torch.allclose(torch.tensor([r[0] for r in step]), group_advantages(scores, 3), atol=1e-6)
