@@ -218,3 +218,19 @@ def test_a_calculator_tool_in_react():
 def test_seed_out_of_range_is_named():
     with pytest.raises(ConfigError, match="seed must be"):
         reasoning_gym_tasks(1, seed=rgym.MAX_SEED, split="train", **LEGS)
+
+
+def test_the_split_is_the_same_in_another_process():
+    """Nothing of the process (hash seed, time) enters the draw: a fresh interpreter with another hash seed draws
+    the same tasks. (Five families themselves iterate over sets; see docs/ecosystems-reasoning-gym.md.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json; from agentrl.envs.ecosystems.reasoning_gym import reasoning_gym_tasks as t; "
+            f"print(json.dumps([t(20, 1, s, **{LEGS!r}) for s in ('train', 'eval')]))")
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    here = [reasoning_gym_tasks(20, 1, split, **LEGS) for split in ("train", "eval")]
+    assert json.loads(out.stdout) == json.loads(json.dumps(here))
