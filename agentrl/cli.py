@@ -32,18 +32,14 @@ def _training_job(args, algo: str):
 def _cmd_ppo(args) -> int:
     from agentrl.jobs.ppo import run_job
 
-    summary = run_job(_training_job(args, "ppo"))
-    if summary is not None:  # several processes: the main one reports
-        _print_summary(summary)
+    _print_summary(run_job(_training_job(args, "ppo")))
     return 0
 
 
 def _cmd_grpo(args) -> int:
     from agentrl.jobs.ppo import run_job
 
-    summary = run_job(_training_job(args, "grpo"))
-    if summary is not None:  # several processes: the main one reports
-        _print_summary(summary)
+    _print_summary(run_job(_training_job(args, "grpo")))
     return 0
 
 
@@ -65,10 +61,7 @@ def _cmd_dpo(args) -> int:
     from agentrl.jobs.dpo import load_dpo_job, run_dpo_job
 
     summary = run_dpo_job(load_dpo_job(args.config, args.overrides))
-    if summary is None:  # several processes: the main one reports
-        return 0
-    _print_summary(summary)
-    print(f"pairs: {summary['pairs']} (ties skipped: {summary['ties_skipped']})")
+    _print_summary(summary, summary and f"pairs: {summary['pairs']} (ties skipped: {summary['ties_skipped']})")
     return 0
 
 
@@ -110,11 +103,7 @@ def _cmd_quickstart(args) -> int:
     from agentrl.jobs.ppo import load_job, run_job
 
     overrides = [f"out_dir={args.out}"] + args.overrides
-    summary = run_job(load_job("quickstart", overrides))
-    if summary is None:  # several processes: the main one reports
-        return 0
-    _print_summary(summary)
-    print(f"summary written to {args.out}/summary.json")
+    _print_summary(run_job(load_job("quickstart", overrides)), f"summary written to {args.out}/summary.json")
     return 0
 
 
@@ -139,8 +128,11 @@ def _cmd_report(args) -> int:
     return 0
 
 
-def _print_summary(summary: dict) -> None:
-    """Held-out metrics, sampled at the training temperature first (what RL optimises), greedy beside it."""
+def _print_summary(summary: dict | None, footer: str | None = None) -> None:
+    """Held-out metrics, sampled at the training temperature first (what RL optimises), greedy beside it; then
+    `footer`. None (another process of several: the main one reports): nothing."""
+    if summary is None:
+        return
     print(f"\nheld-out tasks: {summary['eval_tasks']:<8}{'sampled (T=1)':>20}{'greedy':>18}")
     print(f"  {'':<22}{'before':>10}{'after':>10}{'before':>10}{'after':>10}")
     for key in ("accuracy", "tool_call_rate", "mean_score", "format_error_rate", "mean_turns"):
@@ -149,6 +141,8 @@ def _print_summary(summary: dict) -> None:
     print(f"{summary['algo'].upper()} steps: {summary['steps']}  training time: {summary['train_seconds']} s  "
           f"total: {summary['wall_seconds']} s")
     print(f"adapter: {summary['adapter_dir']}")
+    if footer:
+        print(footer)
 
 
 def _at_least_one(text: str) -> int:

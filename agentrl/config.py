@@ -101,13 +101,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp in _PLAIN:
+        fits, wanted = _PLAIN[tp]
+        if not fits(value):
+            raise ConfigError(f"{where}: expected {wanted}, got {value!r}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
@@ -120,11 +117,13 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not math.isfinite(value):  # YAML reads .nan / .inf, and float() above "nan" / "inf"
             raise ConfigError(f"{where}: must be a finite number, got {value!r}")
         return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
     return value
+
+
+# Types whose values are taken as they are, once of the right type: (the check, what the error says was expected).
+_PLAIN = {bool: (lambda v: isinstance(v, bool), "true or false"),
+          int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),  # True is an int in Python
+          str: (lambda v: isinstance(v, str), "a string")}
 
 
 def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:

@@ -22,8 +22,8 @@ from agentrl.algos import kl_penalty, kl_shaped_rewards
 from agentrl.models.value_head import AutoModelForCausalLMWithValueHead
 from agentrl.rollout.sampling import SamplingParams, sample_batch
 from agentrl.trainers import ppo
-from agentrl.trainers.common import TokenBatch, build_batch, position_ids
-from agentrl.trainers.ppo import PPOConfig, _scalars
+from agentrl.trainers.common import TokenBatch, build_batch, position_ids, scalars
+from agentrl.trainers.ppo import PPOConfig
 
 __all__ = ["PPOConfig", "PPOTrainer"]
 
@@ -263,7 +263,7 @@ class PPOTrainer(ppo.PPOTrainer):
                      for i in range(len(rewards))]
             self.accelerator.log({"game_log": wandb.Table(columns=[*columns_to_log, "reward"], rows=table)},
                                  step=self.current_step)
-        self.metrics_log.write(_scalars(row), self.current_step)
+        self.metrics_log.write(scalars(row), self.current_step)
 
     def prepare_model_inputs(self, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> dict:
         """query+response ids padded by `self.data_collator` (the tokenizer's padding side): input_ids and

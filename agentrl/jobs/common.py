@@ -412,3 +412,9 @@ def summary_config(config) -> dict:
     """The config recorded in summary.json: everything but `resume`, so a resumed run's summary equals the
     uninterrupted run's."""
     return {k: v for k, v in to_dict(config).items() if k != "resume"}
+
+
+def held_out_summary(before: dict, after: dict) -> dict:
+    """A summary's held-out figures: greedy and sampled (Run.evaluate_both), before and after training."""
+    return {"before": before["greedy"], "after": after["greedy"],
+            "before_sampled": before["sampled"], "after_sampled": after["sampled"]}

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Literal
 
 from agentrl.config import load_config, to_dict
-from agentrl.jobs.common import (EnvSection, ModelSection, RolloutSection, add_lora, prepare_run, resolve_config_path,
-                                 summary_config, warn_ineffective)
+from agentrl.jobs.common import (EnvSection, ModelSection, RolloutSection, add_lora, held_out_summary, prepare_run,
+                                 resolve_config_path, summary_config, warn_ineffective)
 from agentrl.trainers.dpo import DPOConfig
 
 
@@ -190,8 +190,7 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
         end_processes()
         return None
     summary = {
-        "before": before["greedy"], "after": after["greedy"],
-        "before_sampled": before["sampled"], "after_sampled": after["sampled"],
+        **held_out_summary(before, after),
         "algo": "dpo" if config.data else "iterative-dpo", "steps": job["steps"], "ppo_steps": 0,
         "rounds": job["rounds"], "pairs": job["total_pairs"], "ties_skipped": job["total_ties"],
         "eval_tasks": len(run.eval_tasks), "train_seconds": round(train_seconds, 1),

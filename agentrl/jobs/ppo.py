@@ -10,7 +10,8 @@ from typing import Literal
 
 from agentrl.config import ConfigError, load_config, to_dict
 from agentrl.jobs.common import (EnvSection, ModelSection, RolloutSection, add_lora, env_demonstrations, eval_key,
-                                 prepare_run, resolve_config_path, stored_eval, summary_config, warn_ineffective)
+                                 held_out_summary, prepare_run, resolve_config_path, stored_eval, summary_config,
+                                 warn_ineffective)
 from agentrl.samples import SamplesLog
 from agentrl.trainers.grpo import GRPOConfig
 from agentrl.trainers.ppo import PPOConfig
@@ -149,8 +150,7 @@ def run_job(config: JobConfig) -> dict:
         end_processes()
         return None
     summary = {
-        "before": before["greedy"], "after": after["greedy"],
-        "before_sampled": before["sampled"], "after_sampled": after["sampled"],
+        **held_out_summary(before, after),
         "algo": config.algo, "steps": config.steps, "ppo_steps": config.steps if config.algo == "ppo" else 0,
         "episodes": config.steps * algo_config.batch_size * trainer.accelerator.num_processes,
         "num_processes": trainer.accelerator.num_processes,

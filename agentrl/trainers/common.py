@@ -7,6 +7,7 @@ import random
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -255,6 +256,79 @@ def _distributed_state(trainer, model: dict | None) -> tuple[dict, dict, object]
     else:
         optimizer = trainer.optimizer.state_dict()
     return model, optimizer, {"ranks": gather_object([rng_state()])}
+
+
+def scalars(row: dict) -> dict:
+    """The numbers and strings of a stats row (distributions such as objective/kl_dist are arrays)."""
+    import numpy as np
+
+    return {k: v for k, v in row.items() if not isinstance(v, (np.ndarray, torch.Tensor, list, tuple))}
+
+
+def end_of_step(trainer, stats: dict, episodes: list[Episode], sampled: list[Episode], rollout_seconds: float,
+                sync_seconds: float | None, history: list, callback, checkpointer, bar, last: bool, postfix) -> None:
+    """What follows every agent-loop step's update, in order: the environment's metrics over the `sampled`
+    episodes and the rollout's times join `stats`; the metrics row (its numbers and strings), the update's
+    episodes to the samples log, the caller's callback, a checkpoint, the progress bar (postfix(stats))."""
+    from agentrl.rollout.engine import episode_metrics
+
+    stats.update(mean_over_processes(trainer.accelerator, episode_metrics(sampled)))
+    stats["time/rollout"] = rollout_seconds
+    if sync_seconds is not None:
+        stats["time/weight_sync"] = sync_seconds
+    history.append(stats)
+    trainer.metrics_log.write(scalars(stats), trainer.current_step)
+    trainer.samples_log.write(trainer.current_step, episodes, trainer._sample_tensors)
+    if callback is not None:
+        callback(trainer.current_step, stats)
+    if checkpointer is not None:
+        checkpointer.after_step(trainer, trainer.current_step, stats, last=last)
+    if bar is not None:
+        bar.set_postfix(**postfix(stats))
+        bar.update(1)
+
+
+def save_trainer_checkpoint(trainer, directory: str) -> None:
+    """trainer.state_dict() as a checkpoint (agentrl.checkpoint: atomic, with a manifest) at its current step."""
+    from agentrl.checkpoint import write_checkpoint
+
+    write_checkpoint(directory, {"trainer": trainer.state_dict()}, trainer.current_step)
+
+
+def load_trainer_checkpoint(trainer, directory: str) -> None:
+    from agentrl.checkpoint import read_checkpoint
+
+    trainer.load_state_dict(read_checkpoint(directory)["trainer"])
+
+
+def save_weights(accelerator, model, directory: str, write: Callable[[str, dict | None], None]) -> None:
+    """Every process calls it: the weights are gathered (FSDP / ZeRO-3), the main process refuses non-finite ones
+    and has `write(tmp_dir, gathered state dict or None)` fill a directory that then replaces `directory`
+    atomically; the others wait for it."""
+    from agentrl.checkpoint import save_atomically
+    from agentrl.distributed import gathered_state_dict
+
+    full = gathered_state_dict(accelerator, model)  # FSDP / ZeRO-3: every rank takes part
+    if not accelerator.is_main_process:  # several processes: the main one writes
+        accelerator.wait_for_everyone()
+        return
+    if full is None:
+        finite_or_raise(accelerator.unwrap_model(model))
+    elif not all(torch.isfinite(v).all() for v in full.values() if v.is_floating_point()):
+        raise RuntimeError("refusing to save: non-finite values in the gathered weights")
+    save_atomically(directory, lambda tmp: write(tmp, full))
+    accelerator.wait_for_everyone()
+
+
+def write_lm(lm, tmp: str, full: dict | None, tokenizer=None) -> None:
+    """save_pretrained of a causal LM or PeftModel (the gathered `full` state dict when given), and the
+    tokenizer when given (a full model directory is only loadable with it)."""
+    from agentrl.distributed import fsdp_free_names
+
+    with fsdp_free_names(lm):
+        lm.save_pretrained(tmp, **({} if full is None else {"state_dict": full}))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
 
 
 def load_trainer_state(trainer, state: dict) -> None:

@@ -25,10 +25,10 @@ from accelerate.utils import set_seed
 from agentrl.algos.dpo import dpo_loss
 from agentrl.errors import UserError
 from agentrl.preferences import PreferenceExample, load_preferences
-from agentrl.trainers.common import (MetricsLog, build_batch, finite_or_raise, guarded_step, load_trainer_state,
-                                     make_accelerator, masked_logprobs, mean_over_processes, norm_gain_parameters,
-                                     optimizer_groups, progress_bar, resumed_metrics, trainer_state)
-from agentrl.trainers.common import eval_mode
+from agentrl.trainers.common import (MetricsLog, build_batch, eval_mode, guarded_step, load_trainer_checkpoint,
+                                     load_trainer_state, make_accelerator, masked_logprobs, mean_over_processes,
+                                     norm_gain_parameters, optimizer_groups, progress_bar, resumed_metrics,
+                                     save_trainer_checkpoint, save_weights, trainer_state, write_lm)
 
 
 @dataclass
@@ -351,32 +351,12 @@ class DPOTrainer:
             self.resumed["loop"] = state["loop"]
 
     def save_checkpoint(self, directory: str) -> None:
-        from agentrl.checkpoint import write_checkpoint
-
-        write_checkpoint(directory, {"trainer": self.state_dict()}, self.current_step)
+        save_trainer_checkpoint(self, directory)
 
     def load_checkpoint(self, directory: str) -> None:
-        from agentrl.checkpoint import read_checkpoint
-
-        self.load_state_dict(read_checkpoint(directory)["trainer"])
+        load_trainer_checkpoint(self, directory)
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Adapter (under LoRA) or model + tokenizer, written atomically; refuses non-finite weights."""
-        from agentrl.checkpoint import save_atomically
-        from agentrl.distributed import fsdp_free_names, gathered_state_dict
-
-        full = gathered_state_dict(self.accelerator, self.model)  # FSDP / ZeRO-3: every rank takes part
-        if not self.accelerator.is_main_process:  # several processes: the main one writes
-            self.accelerator.wait_for_everyone()
-            return
-        model = self.accelerator.unwrap_model(self.model)
-        if full is None:
-            finite_or_raise(model)
-
-        def write(tmp: str) -> None:
-            with fsdp_free_names(model):
-                model.save_pretrained(tmp, **({} if full is None else {"state_dict": full}))
-            self.tokenizer.save_pretrained(tmp)
-
-        save_atomically(output_dir or self.config.output_dir, write)
-        self.accelerator.wait_for_everyone()
+        save_weights(self.accelerator, self.model, output_dir or self.config.output_dir, lambda tmp, full: write_lm(
+            self.accelerator.unwrap_model(self.model), tmp, full, self.tokenizer))

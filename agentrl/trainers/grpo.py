@@ -22,15 +22,15 @@ from accelerate.utils import set_seed
 from agentrl.algos import (anchor_state_advantages, group_advantages, grpo_loss, masked_mean, rloo_advantages,
                            turn_returns, zero_variance_fraction)
 from agentrl.algos.losses import tis_weights
-from agentrl.rollout.engine import Episode, episode_metrics, rollout
+from agentrl.rollout.engine import Episode, rollout
 from agentrl.rollout.sampling import SamplingParams
 from agentrl.samples import SamplesLog
-from agentrl.trainers.common import (MetricsLog, TokenBatch, check_batch, episodes_to_batch, finite_or_raise,
-                                     gathered_for_generation, global_logprob_mismatch, global_token_scale,
-                                     guarded_step, load_trainer_state, logprob_mismatch, make_accelerator, mask_infra_failures,
-                                     masked_logprobs, mean_over_processes, norm_gain_parameters, optimizer_groups, progress_bar, resumed_cycler,
-                                     resumed_metrics, trainer_state)
-from agentrl.trainers.common import eval_mode
+from agentrl.trainers.common import (MetricsLog, TokenBatch, check_batch, end_of_step, episodes_to_batch, eval_mode,
+                                     gathered_for_generation, global_logprob_mismatch, global_token_scale, guarded_step,
+                                     load_trainer_checkpoint, load_trainer_state, logprob_mismatch, make_accelerator,
+                                     mask_infra_failures, masked_logprobs, mean_over_processes, norm_gain_parameters,
+                                     optimizer_groups, progress_bar, resumed_cycler, resumed_metrics,
+                                     save_trainer_checkpoint, save_weights, trainer_state, write_lm)
 
 
 @dataclass
@@ -165,21 +165,10 @@ class GRPOTrainer:
                                                                     score_hook)
             stats = self._update(episodes)
             stats.update(extra)
-            stats.update(mean_over_processes(self.accelerator, episode_metrics(sampled)))
-            stats["time/rollout"] = time.time() - started - stats["time/update"]
-            if sync_seconds is not None:
-                stats["time/weight_sync"] = sync_seconds
-            self.metrics_log.write(stats, self.current_step)
-            self.samples_log.write(self.current_step, episodes, self._sample_tensors)
-            history.append(stats)
-            if callback is not None:
-                callback(self.current_step, stats)
-            if checkpointer is not None:
-                checkpointer.after_step(self, self.current_step, stats, last=i == steps - 1)
-            if bar is not None:
-                bar.set_postfix(score=f"{stats['grpo/mean_scores']:.2f}", acc=f"{stats['env/accuracy']:.2f}",
-                                zero_var=f"{stats['grpo/zero_variance_groups']:.2f}")
-                bar.update(1)
+            end_of_step(self, stats, episodes, sampled, time.time() - started - stats["time/update"], sync_seconds,
+                        history, callback, checkpointer, bar, i == steps - 1, lambda st: {
+                            "score": f"{st['grpo/mean_scores']:.2f}", "acc": f"{st['env/accuracy']:.2f}",
+                            "zero_var": f"{st['grpo/zero_variance_groups']:.2f}"})
         if bar is not None:
             bar.close()
         return history
@@ -403,33 +392,12 @@ class GRPOTrainer:
         load_trainer_state(self, state)
 
     def save_checkpoint(self, directory: str) -> None:
-        from agentrl.checkpoint import write_checkpoint
-
-        write_checkpoint(directory, {"trainer": self.state_dict()}, self.current_step)
+        save_trainer_checkpoint(self, directory)
 
     def load_checkpoint(self, directory: str) -> None:
-        from agentrl.checkpoint import read_checkpoint
-
-        self.load_state_dict(read_checkpoint(directory)["trainer"])
+        load_trainer_checkpoint(self, directory)
 
     def save_pretrained(self, save_directory: str) -> None:
         """Write the policy (adapter under LoRA; model + tokenizer otherwise) atomically, refusing NaNs."""
-        from agentrl.checkpoint import save_atomically
-        from agentrl.distributed import fsdp_free_names, gathered_state_dict
-
-        full = gathered_state_dict(self.accelerator, self.model)  # FSDP / ZeRO-3: every rank takes part
-        if not self.accelerator.is_main_process:  # several processes: the main one writes
-            self.accelerator.wait_for_everyone()
-            return
-        model = self.policy
-        if full is None:
-            finite_or_raise(model)
-
-        def write(tmp: str) -> None:
-            with fsdp_free_names(model):
-                model.save_pretrained(tmp, **({} if full is None else {"state_dict": full}))
-            if not self.is_peft_model:
-                self.tokenizer.save_pretrained(tmp)
-
-        save_atomically(save_directory, write)
-        self.accelerator.wait_for_everyone()
+        save_weights(self.accelerator, self.model, save_directory, lambda tmp, full: write_lm(
+            self.policy, tmp, full, None if self.is_peft_model else self.tokenizer))

@@ -27,18 +27,16 @@ from agentrl.algos import (AdaptiveKLController, FixedKLController, gae, kl_pena
                            masked_var, whiten)
 from agentrl.algos.losses import entropy_from_logits, ppo_policy_loss, ppo_value_loss, tis_weights
 from agentrl.models.value_head import AutoModelForCausalLMWithValueHead, create_reference_model
-from agentrl.rollout.engine import Episode, episode_metrics, rollout
+from agentrl.rollout.engine import Episode, rollout
 from agentrl.rollout.sampling import SamplingParams
 from agentrl.samples import SamplesLog
 from agentrl.trainers.common import (MetricsLog, TokenBatch, by_length, check_batch, common_prefix_logprobs,
-                                     episodes_to_batch, finite_or_raise, gathered_for_generation, global_logprob_mismatch,
+                                     end_of_step, episodes_to_batch, eval_mode, gathered_for_generation, global_logprob_mismatch,
                                      global_masked_moments, global_token_scale, guarded_step, lm_logprobs,
-                                     load_trainer_state, logprob_mismatch, make_accelerator, mask_infra_failures,
-                                     mean_over_processes,
-                                     norm_gain_parameters, optimizer_groups, policy_forward,
-                                     progress_bar, response_logprobs, resumed_cycler, resumed_metrics,
-                                     sum_over_processes, trainer_state)
-from agentrl.trainers.common import eval_mode
+                                     load_trainer_checkpoint, load_trainer_state, logprob_mismatch, make_accelerator,
+                                     mask_infra_failures, norm_gain_parameters, optimizer_groups,
+                                     policy_forward, progress_bar, response_logprobs, resumed_cycler, resumed_metrics,
+                                     save_trainer_checkpoint, save_weights, sum_over_processes, trainer_state, write_lm)
 from agentrl.trainers.sft import sft_loss
 
 
@@ -340,21 +338,10 @@ class PPOTrainer:
             mask_infra_failures(episodes, batch)  # failures outside the policy teach it nothing
             stats = self._update(batch)
             warn_if_approx_kl_explodes(stats["ppo/policy/approxkl"], self.config, self.current_step)
-            stats.update(mean_over_processes(self.accelerator, episode_metrics(episodes)))
-            stats["time/rollout"] = rollout_seconds
-            if sync_seconds is not None:
-                stats["time/weight_sync"] = sync_seconds
-            self.metrics_log.write(_scalars(stats), self.current_step)
-            self.samples_log.write(self.current_step, episodes, self._sample_tensors)
-            history.append(stats)
-            if callback is not None:
-                callback(self.current_step, stats)
-            if checkpointer is not None:
-                checkpointer.after_step(self, self.current_step, stats, last=i == steps - 1)
-            if bar is not None:
-                bar.set_postfix(score=f"{stats['ppo/mean_scores']:.2f}", acc=f"{stats['env/accuracy']:.2f}",
-                                kl=f"{stats['objective/kl']:.3f}")
-                bar.update(1)
+            end_of_step(self, stats, episodes, episodes, rollout_seconds, sync_seconds, history, callback, checkpointer,
+                        bar, i == steps - 1, lambda st: {"score": f"{st['ppo/mean_scores']:.2f}",
+                                                         "acc": f"{st['env/accuracy']:.2f}",
+                                                         "kl": f"{st['objective/kl']:.3f}"})
         if bar is not None:
             bar.close()
         return history
@@ -726,54 +713,33 @@ class PPOTrainer:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
     def save_checkpoint(self, directory: str) -> None:
-        from agentrl.checkpoint import write_checkpoint
-
-        write_checkpoint(directory, {"trainer": self.state_dict()}, self.current_step)
+        save_trainer_checkpoint(self, directory)
 
     def load_checkpoint(self, directory: str) -> None:
-        from agentrl.checkpoint import read_checkpoint
-
-        self.load_state_dict(read_checkpoint(directory)["trainer"])
+        load_trainer_checkpoint(self, directory)
 
     def save_pretrained(self, save_directory: str) -> None:
         """Write the policy (adapter under LoRA) and the value head, atomically, refusing non-finite weights."""
-        from agentrl.checkpoint import save_atomically
-        from agentrl.distributed import fsdp_free_names, gathered_state_dict
+        save_weights(self.accelerator, self.model, save_directory, self._write_policy)
 
-        full = gathered_state_dict(self.accelerator, self.model)  # FSDP / ZeRO-3: every rank takes part
-        if not self.accelerator.is_main_process:  # several processes: the main one writes
-            self.accelerator.wait_for_everyone()
-            return
+    def _write_policy(self, tmp: str, full: dict | None) -> None:
         model = self.accelerator.unwrap_model(self.model)
+        tokenizer = None if self.is_peft_model else self.tokenizer  # a full model directory needs its tokenizer
         if full is None:
-            finite_or_raise(model)
-        elif not all(torch.isfinite(v).all() for v in full.values() if v.is_floating_point()):
-            raise RuntimeError("refusing to save: non-finite values in the gathered weights")
+            model.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            return
+        # The gathered tensors, split into the LM's (adapter under LoRA) and the value head's (the value-head
+        # model's state_dict spells the LM's keys with or without "pretrained_model.").
+        from safetensors.torch import save_file
 
-        def write(tmp: str) -> None:
-            if full is None:
-                model.save_pretrained(tmp)
-            else:  # the gathered tensors, split into the LM's (adapter under LoRA) and the value head's
-                from safetensors.torch import save_file
+        from agentrl.models.value_head import VALUE_HEAD_FILE
 
-                from agentrl.models.value_head import VALUE_HEAD_FILE
-
-                # (the value-head model's state_dict spells the LM's keys with or without "pretrained_model.")
-                lm = {k.removeprefix("pretrained_model."): v for k, v in full.items() if not k.startswith("v_head.")}
-                head = {k: v.contiguous() for k, v in full.items() if k.startswith("v_head.")}
-                with fsdp_free_names(model.pretrained_model):
-                    model.pretrained_model.save_pretrained(tmp, state_dict=lm if self.is_peft_model else {**lm, **head})
-                save_file(head, str(Path(tmp) / VALUE_HEAD_FILE))
-            if not self.is_peft_model:  # a full model directory is only loadable with its tokenizer
-                self.tokenizer.save_pretrained(tmp)
-
-        save_atomically(save_directory, write)
-        self.accelerator.wait_for_everyone()
-
-
-def _scalars(row: dict) -> dict:
-    """The numbers and strings of a stats row (distributions such as objective/kl_dist are arrays)."""
-    return {k: v for k, v in row.items() if not isinstance(v, (np.ndarray, torch.Tensor, list, tuple))}
+        lm = {k.removeprefix("pretrained_model."): v for k, v in full.items() if not k.startswith("v_head.")}
+        head = {k: v.contiguous() for k, v in full.items() if k.startswith("v_head.")}
+        write_lm(model.pretrained_model, tmp, lm if self.is_peft_model else {**lm, **head}, tokenizer)
+        save_file(head, str(Path(tmp) / VALUE_HEAD_FILE))
 
 
 def _flat_config(config: PPOConfig) -> dict[str, Any]:
