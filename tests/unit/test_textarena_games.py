@@ -141,6 +141,11 @@ def test_a_two_player_game_against_a_scripted_opponent(tmp_path, monkeypatch):
     won = env.step("[2]")
     assert won.done and won.reward == 1.0
 
+    second = TextArenaEnv("TicTacToe-v0-raw", opponent="first", player=1)  # the opponent opens
+    assert "[Player 0] [0]" in second.reset({"seed": 0})
+    with pytest.raises(ValueError, match="player"):
+        TextArenaEnv(player=1)  # a single-player game has only player 0
+
 
 def test_the_split_never_overlaps_and_is_the_same_on_every_run():
     train, held_out = textarena_tasks(500, seed=0, split="train"), textarena_tasks(200, seed=0, split="eval")

@@ -158,6 +158,9 @@ class TextArenaEnv:
         self.game_id, self.format, self.player, self.prompt = game, format, player, prompt
         self.game_kwargs = dict(game_kwargs or {})
         self.num_players = 1 if opponent is None else 2
+        if player not in range(self.num_players):
+            raise ValueError(f"player must be one of {list(range(self.num_players))} with opponent={opponent!r}, "
+                             f"got {player!r}")
         self.opponent_spec = opponent
         self._opponent: Callable[[str], str] | None = None
         if opponent not in (None, "first", "random"):
