@@ -9,12 +9,19 @@ import torch
 
 pytest.importorskip("reasoning_gym")
 
-from agentrl.config import ConfigError  # noqa: E402
-from agentrl.envs.base import checked_reset, checked_step, make_env  # noqa: E402
-from agentrl.envs.ecosystems import reasoning_gym as rgym  # noqa: E402
-from agentrl.envs.ecosystems.reasoning_gym import (ReasoningGymEnv, extract_answer, family_score,  # noqa: E402
-                                                   math_verify_check, reasoning_gym_chat_demonstration,
-                                                   reasoning_gym_demonstration, reasoning_gym_tasks, task_entry)
+from agentrl.config import ConfigError
+from agentrl.envs.base import checked_reset, checked_step, make_env
+from agentrl.envs.ecosystems import reasoning_gym as rgym
+from agentrl.envs.ecosystems.reasoning_gym import (
+    ReasoningGymEnv,
+    extract_answer,
+    family_score,
+    math_verify_check,
+    reasoning_gym_chat_demonstration,
+    reasoning_gym_demonstration,
+    reasoning_gym_tasks,
+    task_entry,
+)
 
 LEGS = {"dataset": "leg_counting", "config": {"min_animals": 1, "max_animals": 2}}
 
@@ -39,7 +46,8 @@ def test_split_is_disjoint_by_index_and_text_and_the_same_on_every_call():
         assert not set(questions(tr)) & set(questions(ev))
     # a family so small that indices alone would repeat held-out questions in training: text decides
     tiny = {"dataset": "leg_counting", "config": {"min_animals": 1, "max_animals": 1, "max_instances": 3}}
-    tr, ev = reasoning_gym_tasks(400, seed=3, split="train", **tiny), reasoning_gym_tasks(40, seed=0, split="eval", **tiny)
+    tr = reasoning_gym_tasks(400, seed=3, split="train", **tiny)
+    ev = reasoning_gym_tasks(40, seed=0, split="eval", **tiny)
     assert len(set(questions(tr))) < 400 and not set(questions(tr)) & set(questions(ev))
     # seeds draw different items
     assert set(questions(reasoning_gym_tasks(50, seed=1, split="train", **LEGS))) != set(questions(train[:50]))
@@ -87,8 +95,9 @@ def test_partial_scores_stay_the_reward_unless_turned_off():
 def test_math_verify_check_is_safe_in_threads():
     from math_verify import parse
 
-    cases = [({"answer": "1/2"}, "0.5", True), ({"answer": "\\frac{1}{2}"}, "1/2", True), ({"answer": "12"}, "12.0", True),
-             ({"answer": "3"}, "4", False), ({"answer": "3"}, "", False), ({"answer": "\\sqrt{4}"}, "2", True), ({"answer": "10"}, "\\boxed{10}", True)] * 8
+    cases = [({"answer": "1/2"}, "0.5", True), ({"answer": "\\frac{1}{2}"}, "1/2", True),
+             ({"answer": "12"}, "12.0", True), ({"answer": "3"}, "4", False), ({"answer": "3"}, "", False),
+             ({"answer": "\\sqrt{4}"}, "2", True), ({"answer": "10"}, "\\boxed{10}", True)] * 8
     with ThreadPoolExecutor(8) as pool:
         # what this guards against: math-verify's default signal.alarm timeout raises in a worker thread
         with pytest.raises(ValueError, match="threaded"):
@@ -113,11 +122,11 @@ def test_family_scores_from_threads():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"dataset": "leg_countin"}, "env.tasks_kwargs.dataset: unknown reasoning-gym dataset 'leg_countin'; nearest: "
-                                 "leg_counting"),
-    ({"dataset": "leg_counting", "config": {"min_animal": 1}}, "env.tasks_kwargs.config.min_animal: not a field of "
-                                                               "leg_counting's config (LegCountingConfig); nearest: "
-                                                               "min_animals"),
+    ({"dataset": "leg_countin"},
+     "env.tasks_kwargs.dataset: unknown reasoning-gym dataset 'leg_countin'; nearest: leg_counting"),
+    ({"dataset": "leg_counting", "config": {"min_animal": 1}},
+     ("env.tasks_kwargs.config.min_animal: not a field of leg_counting's config (LegCountingConfig); "
+      "nearest: min_animals")),
     ({"dataset": "leg_counting", "config": {"min_animals": 0}}, "env.tasks_kwargs.config: leg_counting rejects"),
     ({"dataset": "leg_counting", "config": {"seed": 3}}, "env.tasks_kwargs.config.seed: set by agentrl"),
     ({"dataset": "leg_counting", "config": {"min_animals": 1, "max_animals": 1, "max_instances": 2}},

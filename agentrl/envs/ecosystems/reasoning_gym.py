@@ -85,12 +85,12 @@ def check_config(name: str, config: dict | None) -> dict:
         _dataset(name, json.dumps(config, sort_keys=True))
     except ConfigError:
         raise
-    except Exception as e:  # the family's validate() asserts; a wrong type fails inside it
+    except Exception as e:  # noqa: BLE001 - the family's validate() asserts; a wrong type fails inside it
         raise ConfigError(f"env.tasks_kwargs.config: {name} rejects {config}: {type(e).__name__}: {e}"[:300]) from None
     return config
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dataset_unlocked(name: str, config_json: str):
     import reasoning_gym
 
@@ -159,7 +159,7 @@ def family_score(task: dict, answer: str | None) -> float:
     try:
         return float(_dataset(task["dataset"], config_json).score_answer(answer, _item(task["dataset"], config_json,
                                                                                         task["index"])))
-    except Exception:  # a scorer that chokes on a malformed answer: that answer is wrong, not a crash
+    except Exception:  # noqa: BLE001 - a scorer that chokes on a malformed answer: that answer is wrong, not a crash
         return 0.0
 
 
