@@ -243,3 +243,21 @@ def test_the_split_is_the_same_in_another_process():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
     here = [reasoning_gym_tasks(20, 1, split, **LEGS) for split in ("train", "eval")]
     assert json.loads(out.stdout) == json.loads(json.dumps(here))
+
+
+def test_chat_demonstrations_start_from_the_prompt_the_environment_renders():
+    tok = _tokenizer(chat=True)
+    task = reasoning_gym_tasks(1, seed=0, split="train", **LEGS)[0]
+    row = reasoning_gym_chat_demonstration(task, random.Random(0))
+    env = ReasoningGymEnv(format="chat")
+    env.bind_tokenizer(tok)
+    assert tok.apply_chat_template(row["messages"][:1], add_generation_prompt=True, tokenize=False) == env.reset(task)
+
+
+@pytest.mark.parametrize("dataset, config", [("spell_backward", {}), ("letter_jumble", {}), ("basic_arithmetic", {}),
+                                             ("leg_counting", {})])
+def test_wrong_answers_score_below_one_under_the_familys_scorer(dataset, config):
+    rng = random.Random(0)
+    for task in reasoning_gym_tasks(20, seed=0, split="train", dataset=dataset, config=config):
+        wrong = rgym.wrong_answer(task, rng)
+        assert wrong != task["answer"] and family_score(task, wrong) < 1.0 and family_score(task, task["answer"]) == 1.0
