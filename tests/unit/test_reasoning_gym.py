@@ -122,6 +122,7 @@ def test_family_scores_from_threads():
 
 
 @pytest.mark.parametrize("kwargs, message", [
+    ({}, "env.tasks_kwargs.dataset: name a reasoning-gym dataset"),
     ({"dataset": "leg_countin"},
      "env.tasks_kwargs.dataset: unknown reasoning-gym dataset 'leg_countin'; nearest: leg_counting"),
     ({"dataset": "leg_counting", "config": {"min_animal": 1}},

@@ -120,13 +120,15 @@ def _index(seed: int, i: int, split: str) -> int:
     return 2 * (seed * SEED_STRIDE + i) + (split == "eval")
 
 
-def reasoning_gym_tasks(n: int, seed: int = 0, split: str = "train", dataset: str = "leg_counting",
+def reasoning_gym_tasks(n: int, seed: int = 0, split: str = "train", dataset: str | None = None,
                         config: dict | None = None, wrong_fraction: float = 0.5) -> list[dict]:
     """`n` tasks of one reasoning-gym family: {"question", "answer", "dataset", "config", "index",
     "wrong_fraction"} (the family's item is rebuilt from dataset, config and index when scoring).
     `wrong_fraction`: the share of wrong answers in reasoning_gym_demonstration's rows."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if dataset is None:
+        raise ConfigError("env.tasks_kwargs.dataset: name a reasoning-gym dataset (e.g. leg_counting)")
     if not isinstance(seed, int) or not 0 <= seed < MAX_SEED:
         raise ConfigError(f"seed must be an integer in [0, {MAX_SEED}) for reasoning-gym tasks, got {seed!r}")
     if not 0.0 <= wrong_fraction <= 1.0:
