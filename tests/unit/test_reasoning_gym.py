@@ -262,3 +262,18 @@ def test_wrong_answers_score_below_one_under_the_familys_scorer(dataset, config)
     for task in reasoning_gym_tasks(20, seed=0, split="train", dataset=dataset, config=config):
         wrong = rgym.wrong_answer(task, rng)
         assert wrong != task["answer"] and family_score(task, wrong) < 1.0 and family_score(task, task["answer"]) == 1.0
+
+
+def test_a_calculator_tool_in_chat():
+    import json
+
+    tok = _tokenizer(chat=True)
+    env = ReasoningGymEnv(format="chat", tools=["agentrl.envs:calculator"], max_turns=2)
+    env.bind_tokenizer(tok)
+    task = reasoning_gym_tasks(1, seed=0, split="eval", **LEGS)[0]
+    assert "Tools: calculator(expression)" in checked_reset(env, task)
+    call = json.dumps({"name": "calculator", "arguments": {"expression": "3 * 4"}})
+    first = checked_step(env, f"<tool_call>{call}</tool_call><|im_end|>")
+    assert not first.done and "<|im_start|>tool\n12<|im_end|>" in first.observation
+    last = checked_step(env, f"Answer: {task['answer']}<|im_end|>")
+    assert last.done and last.reward == 1.0 and last.info["tool_calls"] == 1

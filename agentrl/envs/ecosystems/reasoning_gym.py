@@ -16,7 +16,8 @@ split picks the indices: train draws even indices, held-out odd ones, `2 * (seed
 "eval")`; no index, hence no `Random` stream, is ever in both splits, whatever the two seeds. Small families still
 repeat a question under two indices, so a question's text also decides its split (`agentrl.data.split_of` at
 one half, as the built-in tasks do): no train question ever equals a held-out one, under any seeds. Held-out
-questions are distinct. Nothing depends on the time or the process: the same config gives the same tasks.
+questions are distinct. Nothing here depends on the time or the process: the same config gives the same tasks
+(five families iterate over sets, so theirs follow PYTHONHASHSEED; docs/ecosystems-reasoning-gym.md).
 
 Answers are extracted before scoring (the default scorer gives containment credit: "The answer is 7" scores
 0.067 against "7"): the text of the last `<answer>...</answer>`, else what follows the last `Answer:`. A turn with
