@@ -166,15 +166,23 @@ class TextArenaEnv:
         if opponent not in (None, "first", "random"):
             self._opponent = load_object(opponent)
         self._random_state = None  # the game's own global-random state, swapped in around its calls
-        with self._game_random():
-            self.game = _unwrapped(_textarena().make(game, **self.game_kwargs))
+        try:  # textarena 0.7.4: some games' code needs Python 3.12, some an OpenRouter key, some missing files
+            with self._game_random():
+                self.game = _unwrapped(_textarena().make(game, **self.game_kwargs))
+        except Exception as e:
+            raise TextArenaError(f"textarena game {game!r} cannot be built here: {type(e).__name__}: {e}"[:500]) from None
         self.max_turns = max_turns or 2 * int(getattr(self.game, "max_turns", 0) or 15)
         self.stop_patterns: tuple[str, ...] = (MOVE,) if format == "text" else ()
         self.keep_special_tokens = format == "chat"  # chat turns are read with their turn-end marker
         self.chat = None
         key = (game, repr(sorted(self.game_kwargs.items())), self.num_players)
         if key not in _CHECKED:  # a game of the wrong player count fails here, at construction, not mid-rollout
-            self._reset_game(0)
+            try:
+                self._reset_game(0)
+            except TextArenaError:
+                raise
+            except Exception as e:
+                raise TextArenaError(f"textarena game {game!r} cannot be reset here: {type(e).__name__}: {e}"[:500]) from None
             _CHECKED.add(key)
 
     def bind_tokenizer(self, tokenizer) -> None:
@@ -257,8 +265,8 @@ class TextArenaEnv:
             try:
                 self.game.reset(num_players=self.num_players, seed=seed)
             except AssertionError as e:  # textarena's states assert their player count
-                raise TextArenaError(f"{self.game_id} cannot be played by {self.num_players} player(s) ({e}); "
-                                     f"two-player games need opponent=...") from None
+                raise TextArenaError(f"{self.game_id} cannot be played by {self.num_players} player(s) ({e}); agentrl "
+                                     f"plays games of 1 player (no opponent) or 2 (opponent=...)") from None
 
     def _observe(self) -> list:
         with self._game_random():
