@@ -10,7 +10,7 @@ pytest.importorskip("textarena")
 def test_grpo_after_sft_raises_the_held_out_win_rate(tmp_path):
     from agentrl.jobs.ppo import load_job, run_job
 
-    # About 4.5 minutes on one loaded core: SFT 600 steps (~3 min), GRPO 30 steps (~1 min), four evaluations.
+    # 208 s on 2 cores shared with three other jobs: SFT 600 steps (~3 min), GRPO 30 steps, four evaluations.
     job = load_job("textarena", [f"out_dir={tmp_path / 'run'}", f"model.base_dir={tmp_path / 'base'}",
                                  "progress=false"])
     summary = run_job(job)
