@@ -9,10 +9,14 @@ import pytest
 
 pytest.importorskip("textarena")
 
-from agentrl.envs.ecosystems import textarena_games as tg  # noqa: E402
-from agentrl.envs.ecosystems.textarena_games import TextArenaEnv, TextArenaError, textarena_tasks  # noqa: E402
-from agentrl.rollout import SamplingParams, rollout  # noqa: E402
-from agentrl.rollout.sampling import Sample  # noqa: E402
+from agentrl.envs.ecosystems import textarena_games as tg
+from agentrl.envs.ecosystems.textarena_games import (
+    TextArenaEnv,
+    TextArenaError,
+    textarena_tasks,
+)
+from agentrl.rollout import SamplingParams, rollout
+from agentrl.rollout.sampling import Sample
 
 SMALL = {"min_number": 1, "max_number": 10, "max_turns": 4}
 
@@ -45,7 +49,7 @@ def binary_search_sampler(contexts, params, eos_token_id, pad_token_id, tokenize
 @pytest.mark.parametrize("game_kwargs,turns", [(None, 5), (SMALL, 4)])  # ceil(log2(range + 1)) guesses
 def test_binary_search_wins_every_game_through_the_rollout_engine(tokenizer, game_kwargs, turns):
     tasks = textarena_tasks(60, seed=0, split="eval", game_kwargs=game_kwargs)
-    factory = lambda: TextArenaEnv(game_kwargs=game_kwargs)  # noqa: E731
+    factory = lambda: TextArenaEnv(game_kwargs=game_kwargs)
     episodes = rollout(object(), tokenizer, factory, tasks, SamplingParams(max_new_tokens=16),
                        sampler=binary_search_sampler)
     assert len({ep.task["seed"] for ep in episodes}) == 60

@@ -29,8 +29,9 @@ import functools
 import random
 import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from agentrl.data import split_of
 from agentrl.envs.base import StepResult, load_object
@@ -62,7 +63,7 @@ def _registry() -> dict:
     return _textarena().envs.registration.ENV_REGISTRY
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def missing_downloads(game: str) -> tuple[str, ...]:
     """The nltk data packages `game`'s code downloads when imported (Wordle, Hangman, WordLadder, ...) and this
     machine does not have: read from its source, without importing it (the import would try the network)."""
@@ -83,7 +84,8 @@ def missing_downloads(game: str) -> tuple[str, ...]:
         for call in re.findall(r"nltk\.download\(([^)]*)\)", source):
             needed |= set(re.findall(r"['\"]([\w.-]+)['\"]", call))
         # shared helpers it imports (envs/utils/word_lists.py downloads the word list)
-        files += [root / "envs" / "utils" / f"{name}.py" for name in re.findall(r"textarena\.envs\.utils\.(\w+)", source)]
+        helpers = re.findall(r"textarena\.envs\.utils\.(\w+)", source)
+        files += [root / "envs" / "utils" / f"{name}.py" for name in helpers]
     return tuple(sorted(name for name in needed if not _has_nltk_data(name)))
 
 
@@ -149,7 +151,8 @@ class TextArenaEnv:
         registry = _registry()
         if game not in registry:
             near = difflib.get_close_matches(game, list(registry), n=3)
-            raise TextArenaError(f"textarena has no game {game!r}" + (f"; did you mean {', '.join(near)}?" if near else ""))
+            hint = f"; did you mean {', '.join(near)}?" if near else ""
+            raise TextArenaError(f"textarena has no game {game!r}{hint}")
         missing = missing_downloads(game)
         if missing:
             raise TextArenaError(f"textarena game {game!r} needs nltk data that is not on this machine "
@@ -169,8 +172,9 @@ class TextArenaEnv:
         try:  # textarena 0.7.4: some games' code needs Python 3.12, some an OpenRouter key, some missing files
             with self._game_random():
                 self.game = _unwrapped(_textarena().make(game, **self.game_kwargs))
-        except Exception as e:
-            raise TextArenaError(f"textarena game {game!r} cannot be built here: {type(e).__name__}: {e}"[:500]) from None
+        except Exception as e:  # noqa: BLE001 - whatever the game's code raises becomes one line naming the game
+            raise TextArenaError(f"textarena game {game!r} cannot be built here: {type(e).__name__}: {e}"[:500]
+                                 ) from None
         self.max_turns = max_turns or 2 * int(getattr(self.game, "max_turns", 0) or 15)
         self.stop_patterns: tuple[str, ...] = (MOVE,) if format == "text" else ()
         self.keep_special_tokens = format == "chat"  # chat turns are read with their turn-end marker
@@ -181,8 +185,9 @@ class TextArenaEnv:
                 self._reset_game(0)
             except TextArenaError:
                 raise
-            except Exception as e:
-                raise TextArenaError(f"textarena game {game!r} cannot be reset here: {type(e).__name__}: {e}"[:500]) from None
+            except Exception as e:  # noqa: BLE001 - as above
+                raise TextArenaError(f"textarena game {game!r} cannot be reset here: {type(e).__name__}: {e}"[:500]
+                                     ) from None
             _CHECKED.add(key)
 
     def bind_tokenizer(self, tokenizer) -> None:
@@ -365,7 +370,8 @@ def textarena_tasks(n: int, seed: int = 0, split: str = "train", game: str = "Gu
 GOOD_MOVE_SHARE = 0.4  # demonstrations: share of GuessTheNumber moves that halve the range (the rest take its low end)
 
 
-def guess_the_number_moves(task: dict, rng: random.Random, good_share: float = GOOD_MOVE_SHARE) -> list[tuple[str, str]]:
+def guess_the_number_moves(task: dict, rng: random.Random,
+                           good_share: float = GOOD_MOVE_SHARE) -> list[tuple[str, str]]:
     """A scripted GuessTheNumber player's game on `task`: [(turn text, observation after it)], the last with an
     empty observation. Each turn writes the range the hints leave, then a guess: its middle with probability
     `good_share` (binary search: always wins in ceil(log2(n + 1)) turns), else its low end (a linear search,
