@@ -117,7 +117,8 @@ class GRPOTrainer:
         if config.beta > 0 and not self.is_peft_model:
             self.ref_model = (ref_model or copy.deepcopy(model)).eval().requires_grad_(False)
         params = [p for p in model.parameters() if p.requires_grad]
-        groups = optimizer_groups(params, config.learning_rate, [(norm_gain_parameters(model), config.norm_learning_rate)])
+        groups = optimizer_groups(params, config.learning_rate,
+                                  [(norm_gain_parameters(model), config.norm_learning_rate)])
         self.optimizer = optimizer or torch.optim.Adam(groups, lr=config.learning_rate, eps=config.adam_eps)
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
         if self.ref_model is not None:
@@ -126,7 +127,7 @@ class GRPOTrainer:
         self.samples_log = SamplesLog(None)  # a job sets SamplesLog(run_dir/"samples.jsonl", ...) to sample episodes
         self._sample_tensors: dict = {}  # the last update's tensors, for samples_log
         self.current_step = 0
-        self.rollout_backend = None  # None: sample with the policy (hf); a job sets a VLLMRollout for rollout.backend: vllm
+        self.rollout_backend = None  # None: sample with the policy (hf); a job sets a VLLMRollout (rollout.backend)
         if config.log_with:
             self.accelerator.init_trackers(config.tracker_project_name, config={
                 k: v for k, v in asdict(config).items() if isinstance(v, (int, float, str, bool))},
@@ -173,7 +174,8 @@ class GRPOTrainer:
             bar.close()
         return history
 
-    def _rollout_groups(self, cycler, env_factory: Callable, sampling: SamplingParams, sampler, score_hook) -> list[Episode]:
+    def _rollout_groups(self, cycler, env_factory: Callable, sampling: SamplingParams, sampler,
+                        score_hook) -> list[Episode]:
         """One rollout of num_generations episodes for each of tasks_per_step tasks (this process's share)."""
         cfg = self.config
         # Every rank draws the same tasks and keeps its own tasks_per_step of them (tasks, not episodes,
@@ -248,7 +250,8 @@ class GRPOTrainer:
                 counts[(g, k)] = counts.get((g, k), 0) + 1
         shared = [counts[(g, k)] > 1 for g, ks in zip(groups, keys) for k in ks[1:]]  # turn 0: the task's prompt
         return out, {"grpo/step_states_shared": sum(shared) / max(len(shared), 1),
-                     "grpo/step_advantages_abs_mean": sum(abs(a) for r in step for a in r) / max(sum(map(len, step)), 1)}
+                     "grpo/step_advantages_abs_mean": sum(abs(a) for r in step for a in r)
+                     / max(sum(map(len, step)), 1)}
 
     def _state_key(self, ep: Episode, turn: int):
         """The state before `turn`: the exact token ids of the history, or the environment's state_key."""
@@ -294,14 +297,49 @@ class GRPOTrainer:
             step, step_stats = self._step_advantages(episodes, valid, full.loss_mask.shape)
             advantages = advantages[:, None] + cfg.step_advantage_weight * step
         advantages = advantages.to(self.accelerator.device)
-        full = full.to(self.accelerator.device)
-        # loss_mask (B, T-1): 1 on sampled tokens; prompt, tool observations and padding are 0.
-        chunks = [torch.arange(s, min(s + cfg.mini_batch_size, len(full))) for s in range(0, len(full), cfg.mini_batch_size)]
+        full = full.to(self.accelerator.device)  # loss_mask (B, T-1): 1 on sampled tokens; prompt, tool
+        # observations and padding are 0
+        old, ref = self._old_and_ref(full)
+        # (N,) advantages: every sampled token of an episode gets its episode's; old only when num_iterations > 1
+        self._sample_tensors = {"advantages": advantages, "ref_logprobs": ref, "trainer_logprobs": old}
+        acc, nonfinite, at_rollout = self._optimize(full, advantages, old, ref)
+        stats = {k: sum(v) / len(v) for k, v in acc.items()}
+        if at_rollout and full.logprobs is not None:
+            width = max(x.shape[1] for x, _, _ in at_rollout)
+            pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]))  # noqa: E731
+            stats.update(global_logprob_mismatch(self.accelerator, logprob_mismatch(
+                *(torch.cat([pad(t[k]) for t in at_rollout]) for k in range(3)), cfg.logprob_mismatch_threshold)))
+        all_scores = scores if self.accelerator.num_processes == 1 else self.accelerator.gather(
+            scores.to(self.accelerator.device)).cpu()  # every rank's episodes, groups whole, in rank order
+        stats.update({
+            "train/skipped_nonfinite": float(nonfinite),
+            "grpo/mean_scores": all_scores.mean().item(),
+            "grpo/std_scores": all_scores.std(unbiased=False).item(),
+            "grpo/zero_variance_groups": zero_variance_fraction(all_scores, cfg.num_generations),
+            "grpo/advantages_abs_mean": (advantages.abs().mean() if advantages.dim() == 1 else
+                                         masked_mean(advantages.abs(), full.loss_mask)).item(),
+            **step_stats,
+            "grpo/learning_rate": self.optimizer.param_groups[0]["lr"],
+            "time/update": time.time() - t0,
+        })
+        # The per-rank means (same number of episodes on every rank); the score stats above are global already.
+        stats = mean_over_processes(self.accelerator, stats, [*acc, "train/skipped_nonfinite",
+                                                              "grpo/advantages_abs_mean"])
+        self.current_step += 1
+        return stats
+
+    @torch.no_grad()
+    def _old_and_ref(self, full: TokenBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(B, T-1) logprobs before the update, when num_iterations > 1 (with one pass old = current, detached: no
+        extra forward), and the reference's when beta > 0; else None. At the update's precision (mixed_precision),
+        as PPO's: under bf16 autocast an fp32 forward here would cost twice as much and put bf16 rounding into the
+        first ratios."""
+        cfg = self.config
+        chunks = [torch.arange(s, min(s + cfg.mini_batch_size, len(full)))
+                  for s in range(0, len(full), cfg.mini_batch_size)]
         old = ref = None
-        # Old and reference logprobs at the update's precision (mixed_precision), as PPO's: under bf16 autocast
-        # an fp32 forward here would cost twice as much and put bf16 rounding into the first ratios.
-        if cfg.num_iterations > 1:  # with one pass, old = current (detached): no extra forward
-            with torch.no_grad(), self.accelerator.autocast():
+        if cfg.num_iterations > 1:
+            with self.accelerator.autocast():
                 old = torch.zeros_like(full.loss_mask)
                 for idx in chunks:
                     mb = full.select(idx)
@@ -313,9 +351,12 @@ class GRPOTrainer:
                 for idx in chunks:
                     mb = full.select(idx)
                     ref[idx, : mb.loss_mask.shape[1]] = self._ref_logprobs(mb)
+        return old, ref
 
-        # (N,) advantages: every sampled token of an episode gets its episode's; old only when num_iterations > 1
-        self._sample_tensors = {"advantages": advantages, "ref_logprobs": ref, "trainer_logprobs": old}
+    def _optimize(self, full: TokenBatch, advantages: torch.Tensor, old, ref) -> tuple[dict, int, list]:
+        """num_iterations passes of clipped updates over shuffled mini-batches. Returns (per-mini-batch stats,
+        non-finite steps skipped, (logprobs, sampler's logprobs, mask) at the rollout's weights)."""
+        cfg = self.config
         acc = defaultdict(list)
         # Logprobs at the rollout's weights: `old` when computed, else the forwards before the first optimizer
         # step (the first gradient_accumulation_steps mini-batches), compared with the sampler's.
@@ -357,30 +398,7 @@ class GRPOTrainer:
                 acc["grpo/kl"].append(st["kl"].item())
                 acc["grpo/ratio"].append(st["ratio"].item())
                 acc["grpo/entropy"].append(entropy.item())
-        stats = {k: sum(v) / len(v) for k, v in acc.items()}
-        if at_rollout and full.logprobs is not None:
-            width = max(x.shape[1] for x, _, _ in at_rollout)
-            pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]))  # noqa: E731
-            stats.update(global_logprob_mismatch(self.accelerator, logprob_mismatch(
-                *(torch.cat([pad(t[k]) for t in at_rollout]) for k in range(3)), cfg.logprob_mismatch_threshold)))
-        all_scores = scores if self.accelerator.num_processes == 1 else self.accelerator.gather(
-            scores.to(self.accelerator.device)).cpu()  # every rank's episodes, groups whole, in rank order
-        stats.update({
-            "train/skipped_nonfinite": float(nonfinite),
-            "grpo/mean_scores": all_scores.mean().item(),
-            "grpo/std_scores": all_scores.std(unbiased=False).item(),
-            "grpo/zero_variance_groups": zero_variance_fraction(all_scores, cfg.num_generations),
-            "grpo/advantages_abs_mean": (advantages.abs().mean() if advantages.dim() == 1 else
-                                         masked_mean(advantages.abs(), full.loss_mask)).item(),
-            **step_stats,
-            "grpo/learning_rate": self.optimizer.param_groups[0]["lr"],
-            "time/update": time.time() - t0,
-        })
-        # The per-rank means (same number of episodes on every rank); the score stats above are global already.
-        stats = mean_over_processes(self.accelerator, stats, [*acc, "train/skipped_nonfinite",
-                                                              "grpo/advantages_abs_mean"])
-        self.current_step += 1
-        return stats
+        return acc, nonfinite, at_rollout
 
     # --- checkpoints (agentrl.checkpoint) ---------------------------------------------------------------
 
