@@ -130,6 +130,7 @@ def test_family_scores_from_threads():
       "nearest: min_animals")),
     ({"dataset": "leg_counting", "config": {"min_animals": 0}}, "env.tasks_kwargs.config: leg_counting rejects"),
     ({"dataset": "leg_counting", "config": {"seed": 3}}, "env.tasks_kwargs.config.seed: set by agentrl"),
+    ({"dataset": "leg_counting", "config": "min_animals=1"}, "env.tasks_kwargs.config: a mapping"),
     ({"dataset": "leg_counting", "config": {"min_animals": 1, "max_animals": 1, "max_instances": 2}},
      "distinct eval questions"),
 ])

@@ -57,10 +57,6 @@ def _registry() -> dict:
     return DATASETS
 
 
-def dataset_names() -> list[str]:
-    return sorted(_registry())
-
-
 def _config_cls(name: str):
     registry = _registry()
     if not isinstance(name, str) or name not in registry:
@@ -72,7 +68,10 @@ def _config_cls(name: str):
 
 def check_config(name: str, config: dict | None) -> dict:
     """The family's config fields as given, checked against its dataclass; an error names the bad key."""
-    cls, config = _config_cls(name), dict(config or {})
+    cls = _config_cls(name)
+    if config is not None and not isinstance(config, dict):
+        raise ConfigError(f"env.tasks_kwargs.config: a mapping of {name}'s config fields, got {config!r}")
+    config = dict(config or {})
     allowed = [f.name for f in fields(cls) if f.name not in ("seed", "size")]
     for key in config:
         if key in ("seed", "size"):
@@ -131,7 +130,8 @@ def reasoning_gym_tasks(n: int, seed: int = 0, split: str = "train", dataset: st
     if dataset is None:
         raise ConfigError("env.tasks_kwargs.dataset: name a reasoning-gym dataset (e.g. leg_counting)")
     if not isinstance(seed, int) or not 0 <= seed < MAX_SEED:
-        raise ConfigError(f"seed must be an integer in [0, {MAX_SEED}) for reasoning-gym tasks, got {seed!r}")
+        raise ConfigError(f"seed must be an integer in [0, {MAX_SEED}) for reasoning-gym tasks (eval_seed, sft.seed, "
+                          f"ppo.seed or grpo.seed), got {seed!r}")
     if not 0.0 <= wrong_fraction <= 1.0:
         raise ConfigError(f"env.tasks_kwargs.wrong_fraction must be in [0, 1], got {wrong_fraction!r}")
     config = check_config(dataset, config)
