@@ -278,3 +278,15 @@ def test_a_calculator_tool_in_chat():
     assert not first.done and "<|im_start|>tool\n12<|im_end|>" in first.observation
     last = checked_step(env, f"Answer: {task['answer']}<|im_end|>")
     assert last.done and last.reward == 1.0 and last.info["tool_calls"] == 1
+
+
+def test_families_that_follow_the_hash_seed_warn(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with pytest.warns(UserWarning, match="PYTHONHASHSEED"):
+        reasoning_gym_tasks(2, seed=0, split="eval", dataset="ransom_note")
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reasoning_gym_tasks(2, seed=0, split="eval", dataset="ransom_note")
