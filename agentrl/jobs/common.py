@@ -418,3 +418,12 @@ def held_out_summary(before: dict, after: dict) -> dict:
     """A summary's held-out figures: greedy and sampled (Run.evaluate_both), before and after training."""
     return {"before": before["greedy"], "after": after["greedy"],
             "before_sampled": before["sampled"], "after_sampled": after["sampled"]}
+
+
+def rollout_sampling(rollout_cfg: RolloutSection, temperature: float):
+    """The training rollouts' SamplingParams from the rollout section, at the algorithm's temperature."""
+    from agentrl.rollout.sampling import SamplingParams
+
+    return SamplingParams(max_new_tokens=rollout_cfg.max_new_tokens, temperature=temperature,
+                          top_k=rollout_cfg.top_k, top_p=rollout_cfg.top_p, max_context=rollout_cfg.max_context,
+                          max_observation_tokens=rollout_cfg.max_observation_tokens)

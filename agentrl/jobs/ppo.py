@@ -10,8 +10,8 @@ from typing import Literal
 
 from agentrl.config import ConfigError, load_config, to_dict
 from agentrl.jobs.common import (EnvSection, ModelSection, RolloutSection, add_lora, env_demonstrations, eval_key,
-                                 held_out_summary, prepare_run, resolve_config_path, stored_eval, summary_config,
-                                 warn_ineffective)
+                                 held_out_summary, prepare_run, resolve_config_path, rollout_sampling, stored_eval,
+                                 summary_config, warn_ineffective)
 from agentrl.samples import SamplesLog
 from agentrl.trainers.grpo import GRPOConfig
 from agentrl.trainers.ppo import PPOConfig
@@ -71,10 +71,6 @@ def run_job(config: JobConfig) -> dict:
 
     from agentrl.checkpoint import Checkpointer, cached_eval, open_run, run_config, write_json
     from agentrl.distributed import end_processes, finish_trackers, is_main_process, partial_state, world_banner
-    from agentrl.rollout.sampling import SamplingParams
-    from agentrl.trainers.grpo import GRPOTrainer
-    from agentrl.trainers.ppo import PPOTrainer
-
     started = time.time()
     partial_state()  # first: under torchrun without a GPU, the CPU process group (see agentrl.distributed)
     if is_main_process():
@@ -90,7 +86,6 @@ def run_job(config: JobConfig) -> dict:
         model, tokenizer, env_factory, eval_tasks = run.model, run.tokenizer, run.env_factory, run.eval_tasks
         algo_config = config.ppo if config.algo == "ppo" else config.grpo
         train_tasks = run.train_tasks(config.env, config.env.train_tasks, algo_config.seed)
-        max_new = config.rollout.max_new_tokens
         key = eval_key(config.env, config.eval_seed, config.rollout, algo_config.temperature,
                        algo_config.mixed_precision)
         precision = algo_config.mixed_precision
@@ -100,40 +95,17 @@ def run_job(config: JobConfig) -> dict:
         torch.manual_seed(algo_config.seed)
         model = add_lora(model, config.model)
         trackers_in_run_dir(algo_config, out)
-        if config.algo == "ppo":
-            with warnings.catch_warnings():  # TRL's "No dataset is provided" is for step() users; train() needs none
-                warnings.filterwarnings("ignore", message="No dataset is provided")
-                trainer = PPOTrainer(config=config.ppo, model=model, tokenizer=tokenizer)
-            if config.ppo.ptx_coef > 0 and config.ppo.ptx_data == "env":  # PPO-ptx on the environment's demonstrations
-                if not config.env.demonstrations:
-                    raise ConfigError("ppo.ptx_data: 'env' needs env.demonstrations (module:function(task, rng))")
-                trainer.set_ptx_data(env_demonstrations(config.env, len(train_tasks), config.ppo.seed, eval_tasks),
-                                     f"env.demonstrations ({config.env.demonstrations})")
-        else:
-            trainer = GRPOTrainer(config.grpo, model, tokenizer)
-        if state is not None:
-            trainer.load_state_dict(state["trainer"])
-            checkpointer.restore(state)
-        vllm_startup = None
+        trainer = make_trainer(config, model, tokenizer, len(train_tasks), eval_tasks)
+        resume_trainer(trainer, state, checkpointer, config, out, tokenizer)
+        vllm_startup = None  # rollout.backend vllm: an engine in this process samples with the policy's weights
         if config.rollout.backend == "vllm":
             trainer.rollout_backend = vllm_rollout(config, run.base_dir, algo_config.seed)
             vllm_startup = round(trainer.rollout_backend.startup_seconds, 1)
-        trainer.samples_log = SamplesLog(out / "samples.jsonl", tokenizer, config.sample_every, config.samples_per_step,
-                                         trainer.accelerator, source=config.algo,
-                                         resume_bytes=state["trainer"]["samples_bytes"] if state else None)
         remaining = config.steps - trainer.current_step
         if remaining < 0:
             raise ValueError(f"steps={config.steps}, but the checkpoint resumed from is at step {trainer.current_step}")
-        sampling = SamplingParams(max_new_tokens=max_new, temperature=algo_config.temperature,
-                                  top_k=config.rollout.top_k, top_p=config.rollout.top_p,
-                                  max_context=config.rollout.max_context,
-                                  max_observation_tokens=config.rollout.max_observation_tokens)
-        score_hook = None
-        if config.reward.models:
-            from agentrl.trainers.reward import RewardModelScorer
-
-            score_hook = RewardModelScorer(config.reward.models, tokenizer, config.reward.weight,
-                                           config.reward.env_weight, config.reward.combine)
+        sampling = rollout_sampling(config.rollout, algo_config.temperature)
+        score_hook = reward_model_hook(config, tokenizer)
         ppo_started = time.time()
         with checkpointer.loop():
             trainer.train(env_factory, train_tasks, steps=remaining, sampling=sampling,
@@ -149,22 +121,58 @@ def run_job(config: JobConfig) -> dict:
     if not is_main_process():  # every process evaluated its share; the main one writes the summary
         end_processes()
         return None
+    procs = trainer.accelerator.num_processes
     summary = {
         **held_out_summary(before, after),
         "algo": config.algo, "steps": config.steps, "ppo_steps": config.steps if config.algo == "ppo" else 0,
-        "episodes": config.steps * algo_config.batch_size * trainer.accelerator.num_processes,
-        "num_processes": trainer.accelerator.num_processes,
+        "episodes": config.steps * algo_config.batch_size * procs, "num_processes": procs,
         "eval_tasks": len(eval_tasks), "train_seconds": round(ppo_seconds, 1),
         "wall_seconds": round(time.time() - started, 1),
         "base_model_dir": str(run.base_dir), "adapter_dir": str(adapter_dir), "config": summary_config(config),
+        **({} if vllm_startup is None else {"vllm_startup_seconds": vllm_startup}),
+        **({} if retention is None else {"retention": retention}),
     }
-    if vllm_startup is not None:
-        summary["vllm_startup_seconds"] = vllm_startup
-    if retention is not None:
-        summary["retention"] = retention
     write_json(out / "summary.json", summary)
     end_processes()
     return summary
+
+
+def make_trainer(config: JobConfig, model, tokenizer, n_train_tasks: int, eval_tasks: list[dict]):
+    """The job's PPO or GRPO trainer (PPO-ptx on the environment's demonstrations when asked)."""
+    from agentrl.trainers.grpo import GRPOTrainer
+    from agentrl.trainers.ppo import PPOTrainer
+
+    if config.algo != "ppo":
+        return GRPOTrainer(config.grpo, model, tokenizer)
+    with warnings.catch_warnings():  # TRL's "No dataset is provided" is for step() users; train() needs none
+        warnings.filterwarnings("ignore", message="No dataset is provided")
+        trainer = PPOTrainer(config=config.ppo, model=model, tokenizer=tokenizer)
+    if config.ppo.ptx_coef > 0 and config.ppo.ptx_data == "env":  # PPO-ptx on the environment's demonstrations
+        if not config.env.demonstrations:
+            raise ConfigError("ppo.ptx_data: 'env' needs env.demonstrations (module:function(task, rng))")
+        trainer.set_ptx_data(env_demonstrations(config.env, n_train_tasks, config.ppo.seed, eval_tasks),
+                             f"env.demonstrations ({config.env.demonstrations})")
+    return trainer
+
+
+def resume_trainer(trainer, state: dict | None, checkpointer, config: JobConfig, out: Path, tokenizer) -> None:
+    """The checkpoint's trainer state, when resuming, and the samples log (cut back to the checkpoint's size)."""
+    if state is not None:
+        trainer.load_state_dict(state["trainer"])
+        checkpointer.restore(state)
+    trainer.samples_log = SamplesLog(out / "samples.jsonl", tokenizer, config.sample_every, config.samples_per_step,
+                                     trainer.accelerator, source=config.algo,
+                                     resume_bytes=state["trainer"]["samples_bytes"] if state else None)
+
+
+def reward_model_hook(config: JobConfig, tokenizer):
+    """reward.models as a score hook (their scores added to the environment's), or None."""
+    if not config.reward.models:
+        return None
+    from agentrl.trainers.reward import RewardModelScorer
+
+    return RewardModelScorer(config.reward.models, tokenizer, config.reward.weight, config.reward.env_weight,
+                             config.reward.combine)
 
 
 def retention_before(config, out: Path, fingerprint: dict, model) -> dict | None:
