@@ -156,13 +156,16 @@ def test_close_servers_leaves_no_process():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.parametrize("end", ["exit", "SIGTERM", "SIGKILL"])
 def test_no_server_outlives_its_run(end):
-    """atexit stops the server on a normal exit; PR_SET_PDEATHSIG kills it when the run dies without atexit."""
+    """atexit stops the server on a normal exit; PR_SET_PDEATHSIG kills it when the run dies without atexit.
+    A call hangs in the server meanwhile: a server whose stdin closes would otherwise wait for it (measured:
+    with the SDK's stdio_client alone, the server outlives a SIGKILLed parent)."""
     script = textwrap.dedent(f"""
-        import sys, time
+        import sys, threading, time
         from agentrl.envs.ecosystems.mcp_tools import mcp_client
-        from agentrl.envs.tools import ToolCall
         client = mcp_client({SERVER!r})
         print(client.call("pid", {{}}, 10.0), flush=True)
+        threading.Thread(target=client.call, args=("hang", {{"seconds": 120}}, 300.0), daemon=True).start()
+        time.sleep(1)
         if {end!r} == "exit":
             sys.exit(0)
         time.sleep(120)
