@@ -358,11 +358,9 @@ def enable_gradient_checkpointing(model) -> None:
     in training mode (trainers/common.eval_mode): transformers only checkpoints a layer that is training."""
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(f"model.gradient_checkpointing: {type(model).__name__} does not support it")
-    # transformers 5.24 renamed gradient_checkpointing_enable to activation_checkpointing_enable
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    from agentrl.trainers.common import checkpoint_activations
+
+    checkpoint_activations(model)
 
 
 def warn_ineffective(config, algo: str) -> None:

@@ -50,10 +50,12 @@ def load_policy(model_dir: str, adapter_dir: str | None = None, **load_kwargs):
     load_kwargs go to from_pretrained (dtype, device_map, attn_implementation, quantization_config)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from safetensors import SafetensorError
+
     from agentrl.models.pretrained import resolve_model_dir
+    from agentrl.trainers.common import default_pad_token
 
     model_dir = resolve_model_dir(model_dir)  # a preset name or a GGUF file: its converted directory
-    from safetensors import SafetensorError
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -63,8 +65,7 @@ def load_policy(model_dir: str, adapter_dir: str | None = None, **load_kwargs):
     if tokenizer.eos_token_id is None:
         raise UserError(f"{model_dir}: its tokenizer has no EOS token, so no episode could end; set eos_token in "
                         f"its tokenizer_config.json")
-    if tokenizer.pad_token_id is None:  # padding only: masks never come from pad ids
-        tokenizer.pad_token = tokenizer.eos_token
+    default_pad_token(tokenizer)
     vocab = model.get_input_embeddings().num_embeddings
     if vocab < len(tokenizer):
         raise UserError(f"{model_dir}: the model's vocabulary ({vocab} embeddings) is smaller than its tokenizer's "

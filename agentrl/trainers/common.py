@@ -123,6 +123,26 @@ def mask_infra_failures(episodes: list[Episode], batch: TokenBatch) -> int:
     return len(failed)
 
 
+def default_pad_token(tokenizer) -> None:
+    """pad = eos where the tokenizer has no pad token: agentrl's masks never come from pad ids (padding is 0 in
+    attention_mask and loss_mask), so which id pads never matters."""
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+
+def checkpoint_activations(lm, peft: bool = False) -> None:
+    """Activation (gradient) checkpointing on every decoder layer, non-reentrant: the reentrant form needs an input
+    that requires grad, which frozen embeddings under LoRA are not. peft: also make the embeddings' output require
+    grad, as peft's own recipe does."""
+    # transformers 5.24 renamed gradient_checkpointing_enable to activation_checkpointing_enable
+    if hasattr(lm, "activation_checkpointing_enable"):
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if peft:
+        lm.enable_input_require_grads()
+
+
 def logprob_mismatch(recomputed: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor,
                      threshold: float | None) -> dict[str, float]:
     """|recomputed - sampled| logprobs over sampled tokens, (B, T-1) each: the trainer's forward at the

@@ -25,7 +25,7 @@ from accelerate.utils import set_seed
 from agentrl.algos.dpo import dpo_loss
 from agentrl.errors import UserError
 from agentrl.preferences import PreferenceExample, load_preferences
-from agentrl.trainers.common import (MetricsLog, build_batch, eval_mode, guarded_step, load_trainer_checkpoint,
+from agentrl.trainers.common import (MetricsLog, build_batch, checkpoint_activations, default_pad_token, eval_mode, guarded_step, load_trainer_checkpoint,
                                      load_trainer_state, make_accelerator, masked_logprobs, mean_over_processes,
                                      norm_gain_parameters, optimizer_groups, progress_bar, resumed_metrics,
                                      save_trainer_checkpoint, save_weights, trainer_state, write_lm)
@@ -124,15 +124,9 @@ class DPOTrainer:
             model = get_peft_model(model, peft_config)
         self.is_peft_model = hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
         if config.gradient_checkpointing:
-            if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable()
-            else:
-                model.gradient_checkpointing_enable()
-            if self.is_peft_model:
-                model.enable_input_require_grads()
+            checkpoint_activations(model, self.is_peft_model)
         self.tokenizer = tokenizer
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token  # masks never come from pad ids
+        default_pad_token(tokenizer)
         if isinstance(train_dataset, list) and train_dataset and isinstance(train_dataset[0], PreferenceExample):
             self.examples, self.skipped_rows = list(train_dataset), 0
         else:

@@ -25,7 +25,7 @@ from agentrl.algos.losses import tis_weights
 from agentrl.rollout.engine import Episode, rollout
 from agentrl.rollout.sampling import SamplingParams
 from agentrl.samples import SamplesLog
-from agentrl.trainers.common import (MetricsLog, TokenBatch, check_batch, end_of_step, episodes_to_batch, eval_mode,
+from agentrl.trainers.common import (MetricsLog, TokenBatch, check_batch, default_pad_token, end_of_step, episodes_to_batch, eval_mode,
                                      gathered_for_generation, global_logprob_mismatch, global_token_scale, guarded_step,
                                      load_trainer_checkpoint, load_trainer_state, logprob_mismatch, make_accelerator,
                                      mask_infra_failures, masked_logprobs, mean_over_processes, norm_gain_parameters,
@@ -110,8 +110,7 @@ class GRPOTrainer:
                                             project_dir=config.project_dir)
         set_seed(config.seed + self.accelerator.process_index)  # each rank its own stream; rank 0 = one process
         self.tokenizer = tokenizer
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token  # masks never come from pad ids
+        default_pad_token(tokenizer)
         self.is_peft_model = hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
         self.ref_model = None
         if config.beta > 0 and not self.is_peft_model:

@@ -30,7 +30,8 @@ from agentrl.models.value_head import AutoModelForCausalLMWithValueHead, create_
 from agentrl.rollout.engine import Episode, rollout
 from agentrl.rollout.sampling import SamplingParams
 from agentrl.samples import SamplesLog
-from agentrl.trainers.common import (MetricsLog, TokenBatch, by_length, check_batch, common_prefix_logprobs,
+from agentrl.trainers.common import (MetricsLog, TokenBatch, by_length, check_batch, checkpoint_activations,
+                                     common_prefix_logprobs, default_pad_token,
                                      end_of_step, episodes_to_batch, eval_mode, gathered_for_generation, global_logprob_mismatch,
                                      global_masked_moments, global_token_scale, guarded_step, lm_logprobs,
                                      load_trainer_checkpoint, load_trainer_state, logprob_mismatch, make_accelerator,
@@ -221,19 +222,9 @@ class PPOTrainer:
             # A frozen copy; with num_shared_layers the first layers are shared and frozen in the policy too.
             self.ref_model = create_reference_model(model, num_shared_layers=num_shared_layers)
         if config.gradient_checkpointing:
-            lm = model.pretrained_model
-            # transformers 5.24 renamed gradient_checkpointing_enable to activation_checkpointing_enable
-            if hasattr(lm, "activation_checkpointing_enable"):
-                lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            if self.is_peft_model:
-                model.pretrained_model.enable_input_require_grads()
-
+            checkpoint_activations(model.pretrained_model, self.is_peft_model)
         self.tokenizer = tokenizer
-        if tokenizer.pad_token_id is None:
-            # Our masks never infer anything from pad ids, so pad == eos is safe here.
-            tokenizer.pad_token = tokenizer.eos_token
+        default_pad_token(tokenizer)
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos_token; the policy could never end an episode")
 

@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 
 from agentrl.errors import UserError
-from agentrl.trainers.common import MetricsLog, finite_or_raise, progress_bar
+from agentrl.trainers.common import MetricsLog, default_pad_token, finite_or_raise, progress_bar
 
 Example = tuple[list[int], list[int]]  # (token ids, labels): labels are the ids on trainable tokens, -100 elsewhere
 
@@ -280,8 +280,7 @@ class SFTTrainer:
         self.config = args = args or SFTConfig()
         if tokenizer is None or train_dataset is None:
             raise ValueError("SFTTrainer needs `train_dataset` and `tokenizer`")
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token  # labels are -100 on padding, so its id never matters
+        default_pad_token(tokenizer)  # labels are -100 on padding
         self.model, self.tokenizer = model, tokenizer
         rows = read_demonstrations(train_dataset, dataset_name)
         self.examples, self.skipped_rows, self.truncated_rows = encode_demonstrations(
