@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 pytest.importorskip("mcp")
 
 from agentrl.envs.calculator import CalculatorToolEnv, calculator, calculator_tasks, numeric_match  # noqa: E402
-from agentrl.envs.ecosystems.mcp_tools import MCPServerError, MCPToolEnv, check_server_spec, close_servers  # noqa: E402
+from agentrl.envs.ecosystems.mcp_tools import (MCPConnection, MCPServerError, MCPToolEnv,  # noqa: E402
+                                              check_server_spec, close_servers)
 from agentrl.envs.tools import ToolCall, tool_schema  # noqa: E402
 from agentrl.rollout import SamplingParams, rollout  # noqa: E402
 
@@ -144,6 +145,22 @@ def test_a_server_dying_mid_episode_is_an_observation_and_it_is_restarted():
     assert (text, ok) == ("2", True)
     assert int(env.runner(ToolCall("pid", {}))[0]) != first_pid
     assert len(server_processes()) == 1
+
+
+def test_a_server_whose_calls_keep_hanging_is_restarted():
+    """Each hung call holds a server thread: after RESTART_AFTER_TIMEOUTS in a row the server is replaced."""
+    env = MCPToolEnv(server={**SERVER, "env": {"AGENTRL_TEST": "hangs"}}, check=CHECK, timeout=0.5)
+    first_pid = env.runner(ToolCall("pid", {}))[0]
+    for _ in range(MCPConnection.RESTART_AFTER_TIMEOUTS):
+        assert env.runner(ToolCall("hang", {"seconds": 60})) == ("Error: hang timed out after 0.5 s", False)
+    time.sleep(1.5)  # the abandoned calls' own timeouts (the runner's answered first)
+    with pytest.warns(UserWarning, match="4 calls in a row timed out; restarting it"):
+        env.runner(ToolCall("pid", {}))
+    deadline, text = time.monotonic() + 60, ""
+    while not text.isdigit() and time.monotonic() < deadline:
+        time.sleep(0.5)
+        text, _ = env.runner(ToolCall("pid", {}))
+    assert text.isdigit() and text != first_pid
 
 
 def test_close_servers_leaves_no_process():

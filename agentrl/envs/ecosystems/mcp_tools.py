@@ -100,8 +100,12 @@ class MCPConnection:
     """One server, one session: a task on the shared loop enters the transport and the session, lists the
     tools, then waits to be told to stop and leaves both (in that same task)."""
 
+    # Calls timing out in a row before the server is restarted: a hung synchronous tool keeps one of the server's
+    # worker threads (anyio lends 40), so a server whose tool keeps hanging would end up answering nothing.
+    RESTART_AFTER_TIMEOUTS = 4
+
     def __init__(self, spec: dict):
-        self.spec, self.label = spec, _describe(spec)
+        self.spec, self.label, self.pid = spec, _describe(spec), os.getpid()
         self.session = None
         self.schemas: list[dict] = []
         self.closed_reason: str | None = None  # set once the server or the connection is gone
@@ -109,6 +113,7 @@ class MCPConnection:
         self.ended = threading.Event()  # the task has left the session and the transport (server stopped)
         self._stop: asyncio.Event | None = None
         self._task: concurrent.futures.Future | None = None
+        self._timeouts = 0  # calls that timed out since the last answer
 
     def begin(self) -> None:
         """Start connecting on the loop (not waiting); given up, and the server stopped, after startup_timeout."""
@@ -210,10 +215,10 @@ class MCPConnection:
             result = future.result(left + 1.0)  # the SDK's own timeout answers first (the runner's before both)
         except concurrent.futures.TimeoutError:
             future.cancel()
-            raise ToolFailure(f"{name} timed out after {timeout:g} s") from None
+            raise self._timed_out(name, timeout) from None
         except MCPError as e:
             if e.code == REQUEST_TIMEOUT:
-                raise ToolFailure(f"{name} timed out after {timeout:g} s") from None
+                raise self._timed_out(name, timeout) from None
             if e.code == CONNECTION_CLOSED:
                 self.closed_reason = self.closed_reason or "the server closed the connection (it exited or crashed)"
                 raise ToolFailure(f"{name}: the MCP server closed the connection (it exited or crashed); it is "
@@ -222,6 +227,7 @@ class MCPConnection:
         except Exception as e:  # noqa: BLE001 - a transport failure is the model's observation too
             self.closed_reason = self.closed_reason or f"the call failed ({_error_text(e)})"  # reconnect next time
             raise ToolFailure(f"{name}: MCP call failed: {_error_text(e)}") from None
+        self._timeouts = 0
         text = _result_text(result)
         if result.is_error:
             # The SDK prefixes a tool's own message with "Error executing tool <name>: " and sends only
@@ -232,6 +238,12 @@ class MCPConnection:
                                   f"the server's log)")
             raise ToolFailure(text.removeprefix(prefix + ": "))
         return text
+
+    def _timed_out(self, name: str, timeout: float) -> ToolFailure:
+        self._timeouts += 1
+        if self._timeouts >= self.RESTART_AFTER_TIMEOUTS:
+            self.closed_reason = self.closed_reason or f"{self._timeouts} calls in a row timed out"
+        return ToolFailure(f"{name} timed out after {timeout:g} s")
 
     def close(self, timeout: float = 10.0) -> None:
         """Leave the session and the transport (stdio: the server is asked to exit, then killed)."""
@@ -347,7 +359,7 @@ def close_servers() -> None:
         for key in [k for k in _CLIENTS if k[0] == os.getpid()]:
             _CLIENTS.pop(key).close()
     with _LIVE_LOCK:
-        live = list(_LIVE)
+        live = [c for c in _LIVE if c.pid == os.getpid()]  # a forked child's copies belong to its parent
     for connection in live:
         connection.close()
 
