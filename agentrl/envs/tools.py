@@ -7,7 +7,8 @@
             expression: the expression, e.g. 3 * (4 + 5)
         \"\"\"
 
-Schemas come from `transformers.utils.get_json_schema` (the docstring's Args section). Calls are validated
+Schemas come from `transformers.utils.get_json_schema` (the docstring's Args section); a tool defined elsewhere
+(an MCP server's, envs/ecosystems/mcp_tools.py) is a `Tool(schema, fn)` instead. Calls are validated
 against the schema, run with a timeout, and anything that goes wrong (bad JSON, unknown tool, bad
 arguments, an exception, a timeout) becomes an observation the model can read, never a crash.
 
