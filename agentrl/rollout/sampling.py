@@ -110,6 +110,56 @@ class KVState:
 
 
 @torch.no_grad()
+def _forward_kwargs(model, hidden_states: bool) -> dict:
+    """The sampler's forward kwargs. Logits of the last position only: the others are never read (a (B, T, V)
+    block saved). Kept as logits_to_keep=1, not a position index (index_logits_to_keep), although at a 152 K
+    vocabulary that costs a batched matmul over the whole head per row: the index gives logits that differ by
+    float rounding (up to 3e-6), enough to change which tokens a seeded run samples (docs/throughput.md)."""
+    extra = {"logits_to_keep": 1} if keeps_logits(model) else {}
+    if hidden_states:  # the value head reads the last hidden state
+        extra["output_hidden_states"] = True
+    return extra
+
+
+def _prefill(model, contexts: list[list[int]], pad_token_id: int, kv: KVState | None, extra: dict):
+    """The first forward of sample_batch: the contexts left-padded (or, with a cache in `kv`, only each row's new
+    tokens on top of it). Identical contexts (GRPO's num_generations copies of a prompt) are prefilled once; their
+    KV cache is then copied to every row that shares it. Returns (cache, attention_mask, positions, last_logits,
+    last_hidden or None), each per row."""
+    device = next(model.parameters()).device
+    value_head = "output_hidden_states" in extra
+    resume = kv is not None and kv.cache is not None
+    distinct: dict[tuple, int] = {}
+    row_of = [distinct.setdefault(tuple(c), len(distinct)) for c in contexts] if not resume else []
+    input_ids, attention_mask = _left_pad(contexts if resume else [list(c) for c in distinct], pad_token_id, device)
+    positions = position_ids(attention_mask)
+    cache = kv.cache if resume else DynamicCache()
+    if resume:  # the new tokens continue each row's positions; the mask covers the cache, then them
+        positions = positions + kv.attention_mask.sum(-1, keepdim=True)
+        attention_mask = torch.cat([kv.attention_mask, attention_mask], dim=1)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                use_cache=True, **{cache_kwarg(model): cache}, **extra)
+    last_logits, last_hidden = out.logits[:, -1], out.hidden_states[-1][:, -1] if value_head else None
+    if not resume and len(distinct) < len(contexts):
+        rows = torch.tensor(row_of, device=device)
+        cache.batch_select_indices(rows)
+        attention_mask, positions, last_logits = attention_mask[rows], positions[rows], last_logits[rows]
+        last_hidden = last_hidden[rows] if last_hidden is not None else None
+    return cache, attention_mask, positions, last_logits, last_hidden
+
+
+def _finish(ids: list[int], eos_token_id: int, compiled: list, tokenizer, room: int | None) -> str | None:
+    """Why a row's turn ends after its newest token ("eos", "stop": a stop pattern in its text, "context": its
+    positions are used up), or None while it goes on."""
+    if ids[-1] == eos_token_id:
+        return "eos"
+    if compiled and any(p.search(tokenizer.decode(ids)) for p in compiled):
+        return "stop"
+    if room is not None and len(ids) >= room:
+        return "context"
+    return None
+
+
 def sample_batch(
     model: torch.nn.Module,
     contexts: list[list[int]],
@@ -140,42 +190,14 @@ def sample_batch(
     compiled = [re.compile(p) for p in stop_patterns]
     if compiled and tokenizer is None:
         raise ValueError("stop_patterns need a tokenizer to decode the turn text")
-    warpers = []
-    if params.top_k and params.top_k > 0:
-        warpers.append(TopKLogitsWarper(int(params.top_k)))
-    if params.top_p < 1.0:
-        warpers.append(TopPLogitsWarper(params.top_p))
-
-    resume = kv is not None and kv.cache is not None
-    # Identical contexts (GRPO's num_generations copies of a prompt) are prefilled once; their KV cache is then
-    # copied to every row that shares it.
-    distinct: dict[tuple, int] = {}
-    row_of = [distinct.setdefault(tuple(c), len(distinct)) for c in contexts] if not resume else []
-    input_ids, attention_mask = _left_pad(contexts if resume else [list(c) for c in distinct], pad_token_id, device)
-    positions = position_ids(attention_mask)
-    cache = kv.cache if resume else DynamicCache()
-    if resume:  # the new tokens continue each row's positions; the mask covers the cache, then them
-        positions = positions + kv.attention_mask.sum(-1, keepdim=True)
-        attention_mask = torch.cat([kv.attention_mask, attention_mask], dim=1)
+    warpers = [TopKLogitsWarper(int(params.top_k))] if params.top_k and params.top_k > 0 else []
+    warpers += [TopPLogitsWarper(params.top_p)] if params.top_p < 1.0 else []
+    extra = _forward_kwargs(model, value_head is not None)
+    cache, attention_mask, positions, last_logits, last_hidden = _prefill(model, contexts, pad_token_id, kv, extra)
     B = len(contexts)
     samples = [Sample([], [], "length", [] if value_head is not None else None) for _ in range(B)]
     active = torch.ones(B, dtype=torch.bool, device=device)
     cache_kw = cache_kwarg(model)
-    # Logits of the prompt's last position only: the others are never read (a (B, T, V) block saved). Kept as
-    # logits_to_keep=1, not a position index (index_logits_to_keep), although at a 152 K vocabulary that costs
-    # a batched matmul over the whole head per row: the index gives logits that differ by float rounding (up to
-    # 3e-6), enough to change which tokens a seeded run samples (make demo's sampled accuracy 0.875 -> 0.795).
-    extra = {"logits_to_keep": 1} if keeps_logits(model) else {}
-    if value_head is not None:
-        extra["output_hidden_states"] = True
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                use_cache=True, **{cache_kw: cache}, **extra)
-    last_logits, last_hidden = out.logits[:, -1], out.hidden_states[-1][:, -1] if value_head is not None else None
-    if not resume and len(distinct) < B:
-        rows = torch.tensor(row_of, device=device)
-        cache.batch_select_indices(rows)
-        attention_mask, positions, last_logits = attention_mask[rows], positions[rows], last_logits[rows]
-        last_hidden = last_hidden[rows] if last_hidden is not None else None
     next_pos = positions[:, -1:] + 1
     for n_new in range(params.max_new_tokens):
         logits = last_logits.float() / params.temperature  # (B, V)
@@ -200,12 +222,9 @@ def sample_batch(
             s.logprobs.append(logprob_list[i])
             if value_head is not None:
                 s.values.append(value_list[i])
-            if s.ids[-1] == eos_token_id:
-                s.finish, active[i] = "eos", False
-            elif compiled and any(p.search(tokenizer.decode(s.ids)) for p in compiled):
-                s.finish, active[i] = "stop", False
-            elif room is not None and len(s.ids) >= room[i]:  # the model's positions are used up
-                s.finish, active[i] = "context", False
+            s.finish = _finish(s.ids, eos_token_id, compiled, tokenizer, None if room is None else room[i])
+            active[i] = s.finish is None
+            s.finish = s.finish or "length"
         if not active.any() or n_new == params.max_new_tokens - 1:  # the last tokens are not fed: nothing reads it
             break
         tokens = torch.where(active, tokens, torch.full_like(tokens, pad_token_id))
