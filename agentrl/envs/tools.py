@@ -67,7 +67,14 @@ class Tool:
 
 class ToolFailure(Exception):
     """Raised by a tool whose failure message is meant for the model as is: the observation is
-    `Error: <message>` (not `Error: <tool> raised <Type>: ...`), and the call counts as failed."""
+    `Error: <message>` (not `Error: <tool> raised <Type>: ...`), and the call counts as failed.
+    infra=True: the tool's infrastructure failed (a server that is down), not the call the model wrote; the
+    episode is then marked info["infra_failure"] and left out of the loss (agentrl.envs.base), with thread
+    isolation (a forked child's flag does not come back)."""
+
+    def __init__(self, message: str, infra: bool = False):
+        super().__init__(message)
+        self.infra = infra
 
 
 @dataclass
@@ -353,6 +360,7 @@ class ToolRunner:
         self.functions = {t.name: t.fn for t in tools}
         self.schemas = {t.name: t.schema for t in tools}
         self.timeout, self.max_chars = timeout, max_observation_chars
+        self.infra_failures = 0  # calls that failed with ToolFailure(infra=True)
 
     def __call__(self, call: ToolCall) -> tuple[str, bool]:
         """(observation text, ok). Never raises."""
@@ -376,6 +384,7 @@ class ToolRunner:
         """(text, ok) of a call that returned (status "ok") or raised ("raised"): a tool's failure is the
         model's observation."""
         if status == "raised" and isinstance(result, ToolFailure):
+            self.infra_failures += result.infra
             return f"Error: {result}"[: self.max_chars], False
         if status == "raised":
             return f"Error: {name} raised {type(result).__name__}: {result}"[: self.max_chars], False
@@ -472,6 +481,7 @@ class ToolEnv:
 
     def reset(self, task: dict) -> str:
         self.task, self.turns, self.calls, self.failures, self.format_errors = task, 0, 0, 0, 0
+        self.runner.infra_failures = 0
         question = task.get("question")
         if not isinstance(question, str):
             raise KeyError(f"tool task needs a string 'question', got keys {sorted(task)}")
@@ -546,5 +556,8 @@ class ToolEnv:
         return self.chat.content(action).rsplit("</think>", 1)[-1].strip() or None
 
     def _info(self, correct: bool, answer: Any = None) -> dict:
-        return {"correct": correct, "answer": answer, "tool_calls": self.calls, "tool_failures": self.failures,
+        info = {"correct": correct, "answer": answer, "tool_calls": self.calls, "tool_failures": self.failures,
                 "malformed_calls": self.format_errors, "format_errors": self.format_errors + self.failures}
+        if self.runner.infra_failures:  # a tool server was down: not the policy's doing (envs/base.py)
+            info["infra_failure"] = True
+        return info

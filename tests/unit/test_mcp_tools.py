@@ -264,3 +264,18 @@ def test_a_tool_given_by_its_schema_and_a_failure_worded_for_the_model(isolation
     assert runner(ToolCall("echo", {"text": "hi"})) == ("hi", True)
     assert runner(ToolCall("echo", {"text": "bad"})) == ("Error: echo refuses 'bad'", False)
     assert runner(ToolCall("echo", {"text": 1})) == ("Error: echo: argument 'text' must be string, got int", False)
+
+
+def test_a_dead_server_marks_the_episode_an_infra_failure_a_tool_error_does_not():
+    """The server dying is not the policy's doing: the episode's info says infra_failure (the trainers leave it
+    out of the loss); a tool's own error (a bad expression) is the policy's and leaves no such mark."""
+    env = MCPToolEnv(server=SERVER, check=CHECK, format="react", timeout=2.0)
+    env.reset({"question": "What is 2 + 2?", "answer": "4"})
+    env.step("Thought: x\nAction: calculator(2 +)\n")
+    assert "infra_failure" not in env.step("Answer: 4").info
+    env.reset({"question": "What is 2 + 2?", "answer": "4"})
+    result = env.step("Thought: x\nAction: die({})\n")
+    assert "closed the connection" in result.observation and result.info.get("infra_failure") is True
+    assert env.step("Answer: 4").info.get("infra_failure") is True
+    env.reset({"question": "What is 2 + 2?", "answer": "4"})  # a new episode starts unmarked
+    assert "infra_failure" not in env.step("Answer: 4").info

@@ -37,6 +37,11 @@ from typing import Any, Callable
 
 from agentrl.envs.base import load_object
 from agentrl.envs.tools import Tool, ToolEnv, ToolFailure
+
+try:
+    BaseExceptionGroup  # noqa: B018 - a builtin from Python 3.11
+except NameError:  # Python 3.10: the backport, which anyio (under mcp) installs there
+    from exceptiongroup import BaseExceptionGroup
 from agentrl.errors import UserError
 
 # Runs the server's command with PR_SET_PDEATHSIG(SIGKILL): the kernel kills it when the thread that started it
@@ -203,12 +208,12 @@ class MCPConnection:
         try:
             self.ready.result(timeout)  # a server being (re)started
         except concurrent.futures.TimeoutError:
-            raise ToolFailure(f"{name}: the MCP server is still starting") from None
+            raise ToolFailure(f"{name}: the MCP server is still starting", infra=True) from None
         except Exception:  # noqa: BLE001 - its failure is in closed_reason
             pass
         session = self.session
         if session is None:
-            raise ToolFailure(f"{name}: the MCP server is not connected ({self.closed_reason})")
+            raise ToolFailure(f"{name}: the MCP server is not connected ({self.closed_reason})", infra=True)
         left = max(deadline - time.monotonic(), 0.01)
         future = _loop().submit(session.call_tool(name, arguments, read_timeout_seconds=left))
         try:
@@ -222,11 +227,11 @@ class MCPConnection:
             if e.code == CONNECTION_CLOSED:
                 self.closed_reason = self.closed_reason or "the server closed the connection (it exited or crashed)"
                 raise ToolFailure(f"{name}: the MCP server closed the connection (it exited or crashed); it is "
-                                  f"restarted for the next call") from None
+                                  f"restarted for the next call", infra=True) from None
             raise ToolFailure(f"{name}: MCP error {e.code}: {e.error.message}") from None
         except Exception as e:  # noqa: BLE001 - a transport failure is the model's observation too
             self.closed_reason = self.closed_reason or f"the call failed ({_error_text(e)})"  # reconnect next time
-            raise ToolFailure(f"{name}: MCP call failed: {_error_text(e)}") from None
+            raise ToolFailure(f"{name}: MCP call failed: {_error_text(e)}", infra=True) from None
         self._timeouts = 0
         text = _result_text(result)
         if result.is_error:
@@ -319,11 +324,11 @@ class MCPClient:
         """A fresh connection in place of `dead`, begun here (the call waits for it within its timeout)."""
         with self._lock:
             if self.closed:
-                raise ToolFailure(f"{name}: the MCP server was closed")
+                raise ToolFailure(f"{name}: the MCP server was closed", infra=True)
             if self.connection is not dead:  # another thread restarted it already
                 return self.connection
             if time.monotonic() - self._last_restart < self.RESTART_INTERVAL:
-                raise ToolFailure(f"{name}: the MCP server is down ({dead.closed_reason}); restarting it")
+                raise ToolFailure(f"{name}: the MCP server is down ({dead.closed_reason}); restarting it", infra=True)
             self._last_restart = time.monotonic()
             self.restarts += 1
             warnings.warn(f"MCP server {self.label!r}: {dead.closed_reason}; restarting it "
