@@ -99,20 +99,29 @@ class FlakyServerEnv(MultiStepCalculatorEnv):
 def test_an_episode_failed_outside_the_policy_gives_no_gradient(tiny_base, advantage, monkeypatch):
     """The same step with the failed episodes' rewards changed gives the same weights: they are out of the loss
     and of their groups' baselines; unflagged, the changed rewards do change the update."""
+    def trainer():
+        return GRPOTrainer(GRPOConfig(tasks_per_step=2, num_generations=4, mini_batch_size=8, learning_rate=1e-2,
+                                      advantage=advantage, logprob_mismatch_threshold=None), lora(tiny_base),
+                           AutoTokenizer.from_pretrained(tiny_base))
+
+    assert_failures_give_no_gradient(monkeypatch, trainer, multistep_tasks(8), 2 / 8)
+
+
+def assert_failures_give_no_gradient(monkeypatch, make_trainer, tasks, failure_rate):
+    """One step of a fresh trainer on FlakyServerEnv: the failed episodes' rewards changed (+50) leave the weights
+    as they were when the episodes are flagged, and change them when they are not."""
     def step(bonus, flag):
         monkeypatch.setattr(FlakyServerEnv, "bonus", bonus)
         monkeypatch.setattr(FlakyServerEnv, "flag", flag)
         monkeypatch.setattr(FlakyServerEnv, "made", 0)
         torch.manual_seed(0)
-        trainer = GRPOTrainer(GRPOConfig(tasks_per_step=2, num_generations=4, mini_batch_size=8, learning_rate=1e-2,
-                                         advantage=advantage, logprob_mismatch_threshold=None), lora(tiny_base),
-                              AutoTokenizer.from_pretrained(tiny_base))
-        stats = trainer.train(FlakyServerEnv, multistep_tasks(8), steps=1, sampling=SamplingParams(max_new_tokens=16),
+        trainer = make_trainer()
+        stats = trainer.train(FlakyServerEnv, tasks, steps=1, sampling=SamplingParams(max_new_tokens=16),
                               progress=False)[-1]
-        return stats, [p.detach().clone() for p in trainer.policy.parameters() if p.requires_grad]
+        return stats, [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad]
 
     stats, plain = step(0.0, True)
-    assert stats["env/infra_failure_rate"] == pytest.approx(2 / 8)
+    assert stats["env/infra_failure_rate"] == pytest.approx(failure_rate)
     _, bonus = step(50.0, True)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, bonus))
     _, unflagged = step(50.0, False)

@@ -152,23 +152,11 @@ def test_the_tutorial_loop_runs_as_written(tiny_base):
 
 def test_ppo_leaves_episodes_failed_outside_the_policy_out_of_the_update(tiny_base, monkeypatch):
     """Flagged episodes (info["infra_failure"]) are masked out: changing their rewards changes nothing."""
-    from tests.integration.test_grpo import FlakyServerEnv
+    from tests.integration.test_grpo import assert_failures_give_no_gradient
 
-    def step(bonus, flag):
-        monkeypatch.setattr(FlakyServerEnv, "bonus", bonus)
-        monkeypatch.setattr(FlakyServerEnv, "flag", flag)
-        monkeypatch.setattr(FlakyServerEnv, "made", 0)
-        torch.manual_seed(0)
-        trainer = PPOTrainer(PPOConfig(batch_size=6, mini_batch_size=6, ppo_epochs=1, learning_rate=1e-2,
-                                       value_head_init_std=0.1, logprob_mismatch_threshold=None),
-                             lora_model(tiny_base), None, AutoTokenizer.from_pretrained(tiny_base))
-        stats = trainer.train(FlakyServerEnv, calculator_tasks(12), steps=1, sampling=SamplingParams(max_new_tokens=16),
-                              progress=False)[-1]
-        return stats, [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad]
+    def trainer():
+        return PPOTrainer(PPOConfig(batch_size=6, mini_batch_size=6, ppo_epochs=1, learning_rate=1e-2,
+                                    value_head_init_std=0.1, logprob_mismatch_threshold=None),
+                          lora_model(tiny_base), None, AutoTokenizer.from_pretrained(tiny_base))
 
-    stats, plain = step(0.0, True)
-    assert stats["env/infra_failure_rate"] == pytest.approx(2 / 6)
-    _, bonus = step(50.0, True)
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, bonus))
-    _, unflagged = step(50.0, False)
-    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, unflagged))
+    assert_failures_give_no_gradient(monkeypatch, trainer, calculator_tasks(12), 2 / 6)
