@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Literal
 
 from agentrl.config import load_config, to_dict
-from agentrl.jobs.common import (EnvSection, ModelSection, RolloutSection, add_lora, held_out_summary, prepare_run,
-                                 resolve_config_path, summary_config, warn_ineffective)
+from agentrl.jobs.common import (EnvSection, ModelSection, RolloutSection, add_lora, eval_key, held_out_summary,
+                                 prepare_run, resolve_config_path, stored_eval, summary_config, warn_ineffective)
 from agentrl.trainers.dpo import DPOConfig
 
 
@@ -102,8 +102,10 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
                                     config.max_nonfinite_steps, job_state=job.snapshot)
     with job.checkpointer.signals():
         run = prepare_run(config.model, config.env, config.rollout, config.eval_seed, config.progress)
-        before = cached_eval(out, "before", fingerprint, lambda: run.evaluate_both(run.model,
-                                                                                   config.iterative.temperature))
+        precision = "bf16" if config.dpo.bf16 else "fp16" if config.dpo.fp16 else "no"
+        key = eval_key(config.env, config.eval_seed, config.rollout, config.iterative.temperature, precision)
+        before = cached_eval(out, "before", fingerprint, lambda: stored_eval(run.base_dir, key) or run.evaluate_both(
+            run.model, config.iterative.temperature, precision))
         torch.manual_seed(config.dpo.seed)  # LoRA init and rollouts: the same run for the same config
         model = add_lora(run.model, config.model)
         dpo_cfg = replace(config.dpo, output_dir=str(out / "adapter"), progress=config.progress,
@@ -258,8 +260,9 @@ def _train_round(job: _Job, r: int, dpo_cfg: DPOConfig, model, tokenizer, traine
 
 
 def evaluate_trained(run, trainer, model, temperature: float) -> dict:
-    """run.evaluate_both on the trained `model`, on every process, with whole weights under FSDP / ZeRO-3."""
+    """run.evaluate_both on the trained `model`, on every process, with whole weights under FSDP / ZeRO-3, at the
+    precision it trained at."""
     from agentrl.distributed import gathered_for_generation
 
     with gathered_for_generation(trainer.accelerator, trainer.model):
-        return run.evaluate_both(model, temperature)
+        return run.evaluate_both(model, temperature, trainer.accelerator.mixed_precision)
