@@ -85,6 +85,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 errors.append(str(e))
         raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} fits none of {tp}")
     if origin is Literal:
+        if isinstance(value, bool) and ("yes" if value else "no") in args:
+            return "yes" if value else "no"  # YAML 1.1 reads a bare no/off as False and yes/on as True
         if value not in args:
             raise ConfigError(f"{where}: {value!r} is not one of {list(args)}")
         return value

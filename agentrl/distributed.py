@@ -77,7 +77,10 @@ def make_accelerator(**kwargs):
     from accelerate import Accelerator
 
     from agentrl.errors import UserError
+    from agentrl.precision import resolve_mixed_precision
 
+    if "mixed_precision" in kwargs:
+        kwargs["mixed_precision"] = resolve_mixed_precision(kwargs["mixed_precision"])
     if kwargs.get("mixed_precision") == "fp16" and not torch.cuda.is_available():
         raise UserError("mixed_precision: fp16 needs a CUDA GPU and this machine has none; use bf16 (CPUs with "
                         "AVX512-BF16 run it natively) or no")

@@ -28,6 +28,7 @@ def evaluate(model, tokenizer, env_factory: Callable, tasks: list[dict], greedy:
     must call it (under FSDP / ZeRO-3 inside gathered_for_generation). One process: all tasks, seed `seed`.
     """
     from agentrl.distributed import gather_in_order, partial_state
+    from agentrl.precision import resolve_mixed_precision
 
     model.eval()
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=not greedy,
@@ -35,8 +36,9 @@ def evaluate(model, tokenizer, env_factory: Callable, tasks: list[dict], greedy:
     state = partial_state()
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed + state.process_index)
     device_type = next(model.parameters()).device.type
+    bf16 = resolve_mixed_precision(mixed_precision, device_type) == "bf16"
     with state.split_between_processes(tasks) as mine, torch.autocast(device_type, dtype=torch.bfloat16,
-                                                                      enabled=mixed_precision == "bf16"):
+                                                                      enabled=bf16):
         episodes = gather_in_order(rollout(model, tokenizer, env_factory, mine, params, generator=generator))
     metrics = {k.removeprefix("env/"): v for k, v in episode_metrics(episodes).items()}
     metrics = {k: round(metrics[k], 4) for k in SUMMARY_KEYS}

@@ -224,4 +224,12 @@ def vllm_rollout(config: JobConfig, base_dir: str, seed: int):
 
 
 def load_job(path: str | None, overrides: list[str] | None = None) -> JobConfig:
-    return load_config(JobConfig, resolve_config_path(path) if path else None, overrides)
+    """The job config of a YAML file (a shipped name or a path) and overrides; `mixed_precision: auto` is resolved
+    here to what this machine runs natively, so that the SFT job's stored evaluation and the PPO job's agree."""
+    from agentrl.precision import resolve_mixed_precision
+
+    config = load_config(JobConfig, resolve_config_path(path) if path else None, overrides)
+    for section in (config.ppo, config.grpo, config.sft):
+        if section.mixed_precision == "auto":
+            section.mixed_precision = resolve_mixed_precision("auto")
+    return config

@@ -53,7 +53,7 @@ class GRPOConfig:
     adam_eps: float = 1e-8  # Adam epsilon
     norm_learning_rate: float | None = None  # learning rate of trainable norm gains (None: learning_rate)
     missing_eos_penalty: float | None = None  # subtracted from the score of episodes cut by max_new_tokens
-    mixed_precision: Literal["no", "fp16", "bf16"] = "no"  # accelerate's mixed precision
+    mixed_precision: Literal["no", "fp16", "bf16", "auto"] = "no"  # accelerate's; auto: bf16 where native
     log_with: str | None = None  # accelerate tracker ("tensorboard", "wandb", ...)
     tracker_project_name: str = "agentrl"  # project name for the trackers
     project_dir: str | None = None  # where trackers write

@@ -103,7 +103,7 @@ class PPOConfig:
     value_learning_rate: float | None = None  # the value head's own learning rate (None: learning_rate), see __init__
     norm_learning_rate: float | None = None  # learning rate of trainable norm gains (None: learning_rate)
     missing_eos_penalty: float | None = None  # subtracted from the score of episodes cut by max_new_tokens
-    mixed_precision: Literal["no", "fp16", "bf16"] = "no"  # accelerate's mixed precision
+    mixed_precision: Literal["no", "fp16", "bf16", "auto"] = "no"  # accelerate's; auto: bf16 where native
     project_dir: str | None = None  # where trackers write (tensorboard logs)
     ptx_coef: float = 0.0  # PPO-ptx (Ouyang et al. 2022, eq. 2): weight of the SFT loss on demonstrations, 0: off
     ptx_data: str | None = None  # its demonstrations: a JSONL file (trainers/sft.py rows), or "env" in jobs

@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 
 from agentrl.errors import UserError
+from agentrl.precision import resolve_mixed_precision
 from agentrl.trainers.common import MetricsLog, default_pad_token, finite_or_raise, progress_bar
 
 Example = tuple[list[int], list[int]]  # (token ids, labels): labels are the ids on trainable tokens, -100 elsewhere
@@ -50,7 +51,8 @@ class SFTConfig:
     skip_bad_rows: bool = False  # skip and count malformed rows instead of stopping at the first
     logging_steps: int = 20  # a metrics row every this many steps
     seed: int = 0  # shuffling (and, in jobs, the demonstrations' draw)
-    mixed_precision: Literal["no", "bf16"] = "no"  # bf16 autocast of the forward (x1.5-1.8 on CPUs with AVX512-BF16)
+    mixed_precision: Literal["no", "bf16", "auto"] = "no"  # bf16 autocast of the forward (x1.5-1.8 on CPUs with
+    # AVX512-BF16, many times slower where emulated); auto: bf16 where native (agentrl/precision.py)
     replay_fraction: float = 0.0  # `agentrl sft` on a pretrained model: this share of the rows are the model's own
     # greedy answers to general instructions (jobs/retention.REPLAY_PROMPTS), so it keeps what it knew; 0: off
     progress: bool = True  # progress bar
@@ -305,8 +307,9 @@ class SFTTrainer:
         model.train()
         loss_value = math.nan
         device_type = next(model.parameters()).device.type
+        bf16 = resolve_mixed_precision(cfg.mixed_precision, device_type) == "bf16"
         for step in range(cfg.steps):
-            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16"):
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
                 loss = sft_loss(model, batches.next())
             loss.backward()
             if cfg.max_grad_norm is not None:

@@ -12,7 +12,7 @@ def test_every_shipped_config_loads(path):
     from agentrl.jobs.dpo import DPOJobConfig
     from agentrl.trainers.reward import RewardModelConfig
 
-    cls = {"dpo": DPOJobConfig, "reward-model": RewardModelConfig}.get(path.stem, JobConfig)
+    cls = {"dpo": DPOJobConfig, "real-dpo": DPOJobConfig, "reward-model": RewardModelConfig}.get(path.stem, JobConfig)
     config = load_config(cls, path)
     if cls is JobConfig:
         assert config.ppo.batch_size % config.ppo.backward_batch_size == 0

@@ -1,0 +1,39 @@
+"""`mixed_precision: auto`: bf16 only where the hardware runs it natively (agentrl/precision.py)."""
+
+import warnings
+
+import pytest
+
+from agentrl.precision import native_bf16, resolve_mixed_precision
+
+
+def test_auto_is_bf16_exactly_where_it_is_native():
+    assert resolve_mixed_precision("auto", "cpu") == ("bf16" if native_bf16("cpu") else "no")
+    assert resolve_mixed_precision("no", "cpu") == "no" and resolve_mixed_precision(None, "cpu") == "no"
+
+
+@pytest.mark.skipif(native_bf16("cpu"), reason="this CPU runs bf16 natively: nothing to warn about")
+def test_explicit_bf16_on_a_cpu_that_emulates_it_is_kept_with_a_warning():
+    from agentrl.precision import _warn_emulated
+
+    _warn_emulated.cache_clear()
+    with pytest.warns(UserWarning, match="no native bf16.*mixed_precision: auto"):
+        assert resolve_mixed_precision("bf16", "cpu") == "bf16"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        resolve_mixed_precision("bf16", "cpu")
+
+
+def test_the_real_model_config_resolves_auto_for_every_trainer_section():
+    from agentrl.jobs.ppo import load_job
+
+    job = load_job("real", [])
+    expected = "bf16" if native_bf16("cpu") else "no"
+    assert job.ppo.mixed_precision == job.grpo.mixed_precision == job.sft.mixed_precision == expected
+    assert load_job("real", ["ppo.mixed_precision=no"]).ppo.mixed_precision == "no"
+
+
+def test_a_trainer_accelerator_resolves_auto():
+    from agentrl.distributed import make_accelerator
+
+    assert make_accelerator(mixed_precision="auto").mixed_precision == ("bf16" if native_bf16("cpu") else "no")
