@@ -29,7 +29,9 @@ class ModelSection:
     lora_dropout: float = 0.0  # LoRA dropout (the trainer runs in eval mode, so it is off either way)
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                 "gate_proj", "up_proj", "down_proj"])
-    train_norms: bool = True  # with LoRA, also train the normalisation gains (peft modules_to_save; see add_lora)
+    train_norms: bool | Literal["final"] = True  # with LoRA, also train the normalisation gains (peft
+    # modules_to_save; see add_lora); "final": only the last norm before the LM head (a pretrained model's layer
+    # gains can be ~1e-3, which Adam at any useful rate rewrites in a step; the final one scales the logits)
     # --- how a model directory is loaded (model_loading_kwargs); mixed precision is ppo/grpo.mixed_precision ---
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the weights' dtype (bfloat16 halves memory)
     device_map: str | None = None  # from_pretrained's device_map ("auto", "cpu", "cuda:0"); None: accelerate places it
@@ -312,10 +314,17 @@ def prepare_run(model_cfg: ModelSection, env_cfg: EnvSection, rollout_cfg: Rollo
                rollout_cfg.max_context, rollout_cfg.max_observation_tokens)
 
 
-def norm_module_names(model) -> list[str]:
-    """Names (last component) of the model's normalisation layers: RMSNorm / LayerNorm modules."""
-    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                   if name and "norm" in type(module).__name__.lower()})
+def norm_module_names(model, which: bool | str = True) -> list[str]:
+    """Names (last component) of the model's normalisation layers: RMSNorm / LayerNorm modules; which="final":
+    the full name of the last one outside the repeated blocks (`model.norm`), the one the LM head reads."""
+    norms = [name for name, module in model.named_modules() if name and "norm" in type(module).__name__.lower()]
+    if which == "final":
+        outside = [name for name in norms if not any(part.isdigit() for part in name.split("."))]
+        if not outside:
+            raise ConfigError(f"model.train_norms: final: {type(model).__name__} has no normalisation layer outside "
+                              f"its blocks (norms: {', '.join(norms[:4]) or 'none'})")
+        return [outside[-1]]
+    return sorted({name.rsplit(".", 1)[-1] for name in norms})
 
 
 def add_lora(model, model_cfg: ModelSection):
@@ -342,7 +351,7 @@ def add_lora(model, model_cfg: ModelSection):
         enable_gradient_checkpointing(model)
     if not model_cfg.lora:
         return model
-    extra = norm_module_names(model) if model_cfg.train_norms else None
+    extra = norm_module_names(model, model_cfg.train_norms) if model_cfg.train_norms else None
     model = get_peft_model(model, LoraConfig(r=model_cfg.lora_r, lora_alpha=model_cfg.lora_alpha,
                                              lora_dropout=model_cfg.lora_dropout, bias="none",
                                              target_modules=list(model_cfg.target_modules), task_type="CAUSAL_LM",

@@ -152,3 +152,15 @@ def test_report_shows_retention_escaped():
     assert "&lt;b&gt;run&lt;/b&gt;" in html and "<script>" not in html and "rose by 10.0%" in html
     assert "<td>after training</td><td>0.770</td>" in html
     assert retention_html({"name": "x", "summary": {}}) == ""
+
+
+def test_train_norms_final_trains_only_the_norm_before_the_lm_head():
+    from agentrl.jobs.common import ModelSection, add_lora
+    from agentrl.trainers.common import norm_gain_parameters
+
+    model = add_lora(tiny_llama(64), ModelSection(lora=True, lora_r=2, target_modules=["q_proj"], train_norms="final"))
+    trained = sorted(n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n)
+    assert trained == ["base_model.model.model.norm.modules_to_save.default.weight"], trained
+    assert len(norm_gain_parameters(model)) == 1  # the norm's own learning rate reaches it
+    every = add_lora(tiny_llama(64), ModelSection(lora=True, lora_r=2, target_modules=["q_proj"], train_norms=True))
+    assert len([n for n, p in every.named_parameters() if p.requires_grad and "lora_" not in n]) == 3  # 2 + final
