@@ -16,7 +16,6 @@ loses tuples and integer keys (optimizer states have both) and torch.save would 
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import math
@@ -27,7 +26,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
@@ -35,8 +33,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from agentrl.distributed import broadcast_from_main, is_main_process, wait_for_everyone
-from agentrl.errors import SignalExit, UserError
+from agentrl.distributed import is_main_process, wait_for_everyone
+from agentrl.errors import SignalExit
 
 
 def save_atomically(out_dir: str | Path, write: Callable[[str], object]) -> None:
@@ -307,7 +305,7 @@ def checkpoints(root: str | Path) -> list[tuple[int, Path]]:
 
 def latest_valid(root: str | Path, log: Callable[[str], None] | None = None) -> Path | None:
     """The newest checkpoint under `root` that verifies; each one skipped is reported through `log`."""
-    log = log or _say
+    log = log or say
     for _, path in reversed(checkpoints(root)):
         problem = verify(path)
         if problem is None:
@@ -323,7 +321,7 @@ def resolve_resume(resume: str | None, out_dir: str | Path) -> Path | None:
         return None
     if resume == "auto":
         found = latest_valid(Path(out_dir) / "checkpoints")
-        _say(f"resuming from {found}" if found else f"no checkpoint in {Path(out_dir) / 'checkpoints'}; starting fresh")
+        say(f"resuming from {found}" if found else f"no checkpoint in {Path(out_dir) / 'checkpoints'}; starting fresh")
         return found
     path = Path(resume)
     if (path / MANIFEST).exists() or _STEP_DIR.match(path.name):
@@ -334,12 +332,12 @@ def resolve_resume(resume: str | None, out_dir: str | Path) -> Path | None:
     for root in (path / "checkpoints", path):
         found = latest_valid(root)
         if found:
-            _say(f"resuming from {found}")
+            say(f"resuming from {found}")
             return found
     raise CheckpointError(f"resume={resume}: no valid checkpoint there")
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
     if is_main_process():
         print(f"agentrl: {message}", file=sys.stderr, flush=True)
 
@@ -352,14 +350,15 @@ class Checkpointer:
     `max_nonfinite_steps` steps in a row skipped an update for a non-finite loss or gradient.
 
     job_state: returns the job's own state (round, pairs, ...) stored beside the trainer's.
+    on_close: called when `signals()` ends, however it ends (the jobs release their out_dir's lock there).
     """
 
     def __init__(self, root: str | Path, every: int = 10, keep: int = 2, max_nonfinite_steps: int = 3,
-                 job_state: Callable[[], dict] | None = None):
+                 job_state: Callable[[], dict] | None = None, on_close: Callable[[], None] | None = None):
         if keep < 1:
             raise ValueError(f"keep_checkpoints must be >= 1, got {keep}")
         self.root, self.every, self.keep = Path(root), every, keep
-        self.max_nonfinite_steps, self.job_state = max_nonfinite_steps, job_state
+        self.max_nonfinite_steps, self.job_state, self.on_close = max_nonfinite_steps, job_state, on_close
         self.nonfinite_streak = 0
         self.step_offset = 0  # added to the trainer's step (iterative DPO: the steps of earlier rounds)
         self.last_saved: Path | None = None
@@ -420,7 +419,7 @@ class Checkpointer:
             self.save(step, trainer.state_dict())
         if self.signal is not None:
             name = signal.Signals(self.signal).name
-            _say(f"{name}: checkpoint {self.last_saved} written at step {step}; exiting (resume=auto continues)")
+            say(f"{name}: checkpoint {self.last_saved} written at step {step}; exiting (resume=auto continues)")
             raise SystemExit(0)
 
     @contextmanager
@@ -442,7 +441,8 @@ class Checkpointer:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
-            unlock_run(self.root.parent)  # the job is over: out_dir is free for the next one
+            if self.on_close is not None:
+                self.on_close()
 
     @contextmanager
     def loop(self):
@@ -451,154 +451,3 @@ class Checkpointer:
             yield
         finally:
             self.in_loop = False
-
-
-# --- jobs: what a run resumes from --------------------------------------------------------------------------
-
-RUN_CONTROL_KEYS = ("resume", "progress", "checkpoint_every", "keep_checkpoints", "max_nonfinite_steps", "out_dir")
-EXTENDABLE_KEYS = ("steps", "iterative.rounds")  # may grow when resuming, to train further
-
-
-NAME_KEYS = ("exp_name",)  # names for trackers only; PPOConfig's defaults to the script's name, as in TRL
-
-
-def run_config(config: dict) -> dict:
-    """The job config without the keys that only steer or name the run (they may change between resumes)."""
-    return {k: {n: x for n, x in v.items() if n not in NAME_KEYS} if isinstance(v, dict) else v
-            for k, v in config.items() if k not in RUN_CONTROL_KEYS}
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-LOCK_FILE = ".agentrl.lock"
-_RUN_LOCKS: dict[Path, int] = {}  # out_dir (resolved) -> descriptor of the lock file this process holds
-
-
-def lock_run(out_dir: str | Path) -> None:
-    """Hold out_dir/.agentrl.lock with flock until the job ends (Checkpointer.signals() releases it) or the
-    process does (the kernel releases it, even after kill -9). A second job on the same out_dir would delete
-    the first one's checkpoints and interleave its metrics rows; it stops here instead, naming the holder.
-    Several processes: the main one holds it for the job and tells the others if it could not."""
-    problem = _lock(Path(out_dir)) if is_main_process() else None
-    problem = broadcast_from_main(problem)  # every rank stops, none waits at a barrier for a main that left
-    if problem:
-        raise UserError(problem)
-
-
-def _lock(out_dir: Path) -> str | None:
-    """Take the lock in this process; what prevents it, or None."""
-    out = out_dir.resolve()
-    if out in _RUN_LOCKS:  # this process runs another job there (the first has ended: jobs run one at a time)
-        return None
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    except (FileExistsError, NotADirectoryError):
-        return f"out_dir={out_dir}: is a file (or under one), not a directory"
-    except OSError as e:
-        return f"out_dir={out_dir}: cannot write there ({e.strerror})"
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 300).decode(errors="replace").strip() or "a process that has not written its pid yet"
-        os.close(fd)
-        return (f"out_dir={out_dir}: another agentrl job is running there ({holder}); wait for it to end, or give "
-                f"this one another out_dir")
-    os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
-    _RUN_LOCKS[out] = fd
-    return None
-
-
-def unlock_run(out_dir: str | Path) -> None:
-    """Release lock_run's lock (closing the descriptor releases the flock); nothing if this process holds none.
-    The file stays: removing it could race with a process that has just opened it."""
-    fd = _RUN_LOCKS.pop(Path(out_dir).resolve(), None)
-    if fd is not None:
-        os.close(fd)
-
-
-def open_run(out_dir: str | Path, resume: str | None, config: dict) -> dict | None:
-    """Lock out_dir for this job (lock_run), then the state to resume from (None: a fresh start; without
-    `resume` it clears old checkpoints and stored evaluations).
-    A checkpoint written under a different config is an error naming the keys that differ; one older than a
-    valid checkpoint of out_dir is an error too, since resuming from it would discard the newer results."""
-    lock_run(out_dir)
-    try:
-        return _state_to_resume(Path(out_dir), resume, config)
-    except BaseException:
-        unlock_run(out_dir)  # no job runs: the next one (in this process or another) may
-        raise
-
-
-def _state_to_resume(out_dir: Path, resume: str | None, config: dict) -> dict | None:
-    root = out_dir / "checkpoints"
-    path = resolve_resume(resume, out_dir)
-    if path is not None:
-        step = json.loads((path / MANIFEST).read_text())["step"]
-        newer = [p for s, p in checkpoints(root) if s > step and p.resolve() != path.resolve() and verify(p) is None]
-        if newer:
-            raise UserError(
-                f"resume={resume}: {root} holds newer checkpoints ({', '.join(p.name for p in newer)}); resuming "
-                f"from step {step} would delete them and cut metrics.jsonl and samples.jsonl back to step {step}. "
-                f"Continue from the newest (resume=auto), or delete the newer checkpoints first if discarding them "
-                f"is what you want")
-    if path is None:
-        if root.exists() and not resume and is_main_process():  # resume=auto without one keeps stored evaluations
-            if checkpoints(root):
-                _say(f"fresh start: removing the old checkpoints in {root} (resume=auto continues a run instead)")
-            shutil.rmtree(root)
-        wait_for_everyone()
-        return None
-    state = read_checkpoint(path)
-    saved = _flatten(((state.get("job") or {}).get("config")) or {})
-    now = _flatten(config)
-    differ = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and k not in EXTENDABLE_KEYS)
-    if differ:
-        raise CheckpointError(f"resume from {path}: the config differs from the checkpoint's in "
-                              + ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in differ[:5])
-                              + "; resume with the same config, or start fresh in another out_dir")
-    return state
-
-
-def cached_eval(out_dir: str | Path, name: str, config: dict, compute: Callable[[], dict]) -> dict:
-    """An evaluation stored in out_dir/checkpoints/eval-<name>.json for this config, or computed and stored,
-    so a resumed run does not redo it.
-
-    Several processes: the main process decides whether the stored one holds (and tells the others, so all
-    recompute or none does); `compute` runs on every process (each evaluates its share of the tasks, see
-    jobs/evaluate.py); the main process stores the result, and every process returns the main one's.
-    """
-    path = Path(out_dir) / "checkpoints" / f"eval-{name}.json"
-    stored = broadcast_from_main(_stored_eval(path, config) if is_main_process() else None)
-    if stored is not None:
-        return stored
-    result = compute()
-    if is_main_process():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"config": config, "result": result}))
-        fsync_path(tmp)
-        os.replace(tmp, path)
-    return broadcast_from_main(result)
-
-
-def _stored_eval(path: Path, config: dict) -> dict | None:
-    """The result stored at `path` for this config; None if there is none (or a torn write)."""
-    if not path.exists():
-        return None
-    try:
-        stored = json.loads(path.read_text())
-        if stored.get("config") == json.loads(json.dumps(config)):
-            return stored["result"]
-    except ValueError:
-        pass  # a torn write: compute it again
-    return None

@@ -83,7 +83,8 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
     reference logprobs, so a resumed round trains on exactly the pairs it sampled."""
     import torch
 
-    from agentrl.checkpoint import Checkpointer, cached_eval, open_run, run_config, write_json
+    from agentrl.checkpoint import write_json
+    from agentrl.jobs.run import cached_eval, job_checkpointer, open_run, run_config
     from agentrl.distributed import end_processes, is_main_process, partial_state, world_banner
     from agentrl.samples import SamplesLog
 
@@ -98,8 +99,7 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
     job = _Job(config, out, fingerprint, state, (state or {}).get("job") or {
         "config": fingerprint, "round": 0, "rounds": [], "record": None, "examples": None, "total_pairs": 0,
         "total_ties": 0, "steps": 0, "cycler": None})
-    job.checkpointer = Checkpointer(out / "checkpoints", config.checkpoint_every, config.keep_checkpoints,
-                                    config.max_nonfinite_steps, job_state=job.snapshot)
+    job.checkpointer = job_checkpointer(out, config, job_state=job.snapshot)
     with job.checkpointer.signals():
         run = prepare_run(config.model, config.env, config.rollout, config.eval_seed, config.progress)
         precision = "bf16" if config.dpo.bf16 else "fp16" if config.dpo.fp16 else "no"

@@ -69,7 +69,8 @@ def run_job(config: JobConfig) -> dict:
     """
     import torch
 
-    from agentrl.checkpoint import Checkpointer, cached_eval, open_run, run_config, write_json
+    from agentrl.checkpoint import write_json
+    from agentrl.jobs.run import cached_eval, job_checkpointer, open_run, run_config
     from agentrl.distributed import end_processes, finish_trackers, is_main_process, partial_state, world_banner
     started = time.time()
     partial_state()  # first: under torchrun without a GPU, the CPU process group (see agentrl.distributed)
@@ -79,8 +80,7 @@ def run_job(config: JobConfig) -> dict:
     warn_ineffective(config, config.algo)
     fingerprint = run_config(to_dict(config))
     state = open_run(out, config.resume, fingerprint)
-    checkpointer = Checkpointer(out / "checkpoints", config.checkpoint_every, config.keep_checkpoints,
-                                config.max_nonfinite_steps, job_state=lambda: {"config": fingerprint})
+    checkpointer = job_checkpointer(out, config, job_state=lambda: {"config": fingerprint})
     with checkpointer.signals():
         run = prepare_run(config.model, config.env, config.rollout, config.eval_seed, config.progress, config.sft)
         model, tokenizer, env_factory, eval_tasks = run.model, run.tokenizer, run.env_factory, run.eval_tasks
@@ -180,7 +180,7 @@ def retention_before(config, out: Path, fingerprint: dict, model) -> dict | None
     "before", "scorer"} (the scorer measures the trained policy in retention_after). None when off."""
     if not config.retention_base:
         return None
-    from agentrl.checkpoint import cached_eval
+    from agentrl.jobs.run import cached_eval
     from agentrl.jobs.retention import Retention
     from agentrl.models.pretrained import resolve_model_dir
 
@@ -194,7 +194,7 @@ def retention_after(retention: dict | None, out: Path, fingerprint: dict, policy
     the relative rise of the NLL of the reference's answers from the reference to the trained policy."""
     if retention is None:
         return None
-    from agentrl.checkpoint import cached_eval
+    from agentrl.jobs.run import cached_eval
 
     scorer = retention.pop("scorer")
     retention["after"] = after = cached_eval(out, "retention-after", fingerprint, lambda: scorer.measure(policy))

@@ -56,7 +56,8 @@ def run_sft_job(config: JobConfig) -> dict:
     """Demonstrations -> SFT -> `out_dir/model` (+ metrics.jsonl, summary.json with held-out metrics)."""
     import torch
 
-    from agentrl.checkpoint import run_config, write_json
+    from agentrl.checkpoint import write_json
+    from agentrl.jobs.run import run_config
     from agentrl.jobs.base_model import META_FILE, build_from_demonstrations
     from agentrl.trainers.sft import SFTTrainer
 

@@ -144,7 +144,7 @@ def test_settings_that_cannot_take_effect_are_named_at_start():
 
 
 def test_cached_eval_stores_reuses_and_recomputes_for_another_config(tmp_path):
-    from agentrl.checkpoint import cached_eval
+    from agentrl.jobs.run import cached_eval
 
     calls = []
 

@@ -5,16 +5,18 @@ import fcntl
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
-from agentrl.checkpoint import LOCK_FILE, Checkpointer, lock_run, open_run, unlock_run
+from agentrl.checkpoint import Checkpointer
 from agentrl.cli import main
 from agentrl.errors import UserError
+from agentrl.jobs.run import LOCK_FILE, job_checkpointer, lock_run, open_run, unlock_run
 
 HOLD = """
 import sys, time
-from agentrl.checkpoint import lock_run
+from agentrl.jobs.run import lock_run
 lock_run(sys.argv[1])
 print("locked", flush=True)
 time.sleep(120)
@@ -63,8 +65,9 @@ def test_the_job_frees_its_out_dir_when_it_ends(tmp_path):
     out = tmp_path / "run"
     assert open_run(out, None, {}) is None
     assert not lock_is_free(out)
-    with Checkpointer(out / "checkpoints").signals():
-        pass
+    settings = SimpleNamespace(checkpoint_every=1, keep_checkpoints=1, max_nonfinite_steps=0)
+    with pytest.raises(RuntimeError), job_checkpointer(out, settings, dict).signals():  # the job fails: freed too
+        raise RuntimeError("the job failed")
     assert lock_is_free(out)
 
 
