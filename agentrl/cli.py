@@ -22,11 +22,9 @@ def _cmd_base_model(args) -> int:
 def _training_job(args, algo: str):
     """The job config of `agentrl ppo` / `agentrl grpo`: an `algo` in the file or the overrides that names the
     other algorithm is an error (it used to win silently over the command, or lose to it)."""
-    from agentrl.config import load_config
-    from agentrl.jobs.common import resolve_config_path
-    from agentrl.jobs.ppo import JobConfig
+    from agentrl.jobs.ppo import load_job
 
-    return load_config(JobConfig, resolve_config_path(args.config), args.overrides, command={"algo": algo})
+    return load_job(args.config, args.overrides, command={"algo": algo})
 
 
 def _cmd_ppo(args) -> int:

@@ -77,6 +77,7 @@ def run_job(config: JobConfig) -> dict:
     if is_main_process():
         print(f"agentrl: {world_banner()}", flush=True)
     out = Path(config.out_dir)
+    resolve_precisions(config)
     warn_ineffective(config, config.algo)
     fingerprint = run_config(to_dict(config))
     state = open_run(out, config.resume, fingerprint)
@@ -223,12 +224,18 @@ def vllm_rollout(config: JobConfig, base_dir: str, seed: int):
                        rollout.vllm_enforce_eager)
 
 
-def load_job(path: str | None, overrides: list[str] | None = None) -> JobConfig:
-    """The job config of a YAML file (a shipped name or a path) and overrides; `mixed_precision: auto` is resolved
-    here to what this machine runs natively, so that the SFT job's stored evaluation and the PPO job's agree."""
+def load_job(path: str | None, overrides: list[str] | None = None, command: dict | None = None) -> JobConfig:
+    """The job config of a YAML file (a shipped name or a path) and overrides (`command`: keys the command fixes,
+    see load_config), with `mixed_precision: auto` resolved (resolve_precisions)."""
+    return resolve_precisions(load_config(JobConfig, resolve_config_path(path) if path else None, overrides,
+                                          command=command))
+
+
+def resolve_precisions(config: JobConfig) -> JobConfig:
+    """`mixed_precision: auto` of the ppo, grpo and sft sections -> what this machine runs natively, before anything
+    reads it: the SFT job's stored evaluation and the PPO job's `before` are keyed by the same value."""
     from agentrl.precision import resolve_mixed_precision
 
-    config = load_config(JobConfig, resolve_config_path(path) if path else None, overrides)
     for section in (config.ppo, config.grpo, config.sft):
         if section.mixed_precision == "auto":
             section.mixed_precision = resolve_mixed_precision("auto")

@@ -37,3 +37,21 @@ def test_a_trainer_accelerator_resolves_auto():
     from agentrl.distributed import make_accelerator
 
     assert make_accelerator(mixed_precision="auto").mixed_precision == ("bf16" if native_bf16("cpu") else "no")
+
+
+def test_the_ppo_and_grpo_commands_resolve_auto_too():
+    """`agentrl ppo/grpo --config real` load through the CLI: their `before` is looked up by the resolved precision,
+    under which the SFT job stored its evaluation (with "auto" left in, the lookup missed and the 200 held-out
+    tasks were evaluated again)."""
+    from types import SimpleNamespace
+
+    from agentrl.cli import _training_job
+    from agentrl.jobs.ppo import JobConfig, resolve_precisions
+
+    expected = "bf16" if native_bf16("cpu") else "no"
+    for algo in ("ppo", "grpo"):
+        job = _training_job(SimpleNamespace(config="real", overrides=[]), algo)
+        assert job.algo == algo and getattr(job, algo).mixed_precision == expected
+    by_hand = JobConfig()
+    by_hand.ppo.mixed_precision = "auto"  # a config built in code, handed to run_job: resolved there
+    assert resolve_precisions(by_hand).ppo.mixed_precision == expected
