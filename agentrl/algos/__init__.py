@@ -3,7 +3,7 @@
 Everything here imports torch and nothing else of agentrl, so it can be read, tested and reused alone.
 """
 
-from agentrl.algos.advantages import gae, masked_mean, masked_var, whiten
+from agentrl.algos.advantages import gae, masked_mean, masked_var, turn_gae, whiten
 from agentrl.algos.dpo import bradley_terry_loss, dpo_loss
 from agentrl.algos.group import (anchor_state_advantages, group_advantages, grpo_loss, rloo_advantages, turn_returns,
                                  zero_variance_fraction)
@@ -27,6 +27,7 @@ __all__ = [
     "ppo_policy_loss",
     "ppo_value_loss",
     "rloo_advantages",
+    "turn_gae",
     "turn_returns",
     "whiten",
     "zero_variance_fraction",

@@ -68,3 +68,58 @@ def gae(
         next_adv = torch.where(m > 0, adv_t, next_adv)
     returns = (advantages + values) * mask
     return advantages, returns
+
+
+def turn_gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, turn_ends: torch.Tensor | None = None,
+    gamma: float = 1.0, lam: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over turns rather than tokens, spread back over each turn's tokens (turn-level PPO).
+
+    rewards, values, mask: (B, T) as in `gae`. turn_ends: (B, T), 1 at each turn's last sampled token (None: the
+    last mask-1 position of each run of them, i.e. the token before each observation). Turn k of a row is its
+    mask-1 positions after turn end k-1 up to turn end k. Per turn:
+
+        r_k = sum of the turn's token rewards (its score and its KL-shaped terms, undiscounted within the turn)
+        V_k = the value at the turn's first mask-1 position: the position that predicts its first token, whose
+              hidden state is the last token before it (the observation the environment returned, or the prompt)
+        delta_k = r_k + gamma * V_{k+1} - V_k (V after the last turn is 0),   A_k = delta_k + gamma * lam * A_{k+1}
+
+    Every token of turn k gets A_k and the return A_k + V_k. With one token per turn this is `gae`; with one
+    turn it is `gae(gamma=1, lam=1)` at the turn's first token, given to all of its tokens.
+    Returns (advantages, returns), both (B, T), 0 where mask is 0.
+    """
+    mask = mask.to(values.dtype)
+    rewards = rewards.to(values.dtype) * mask
+    on = mask > 0
+    if turn_ends is None:  # a mask-1 position whose next position is mask 0 (or the row's end)
+        after = torch.cat([on[:, 1:], torch.zeros_like(on[:, :1])], dim=1)
+        ends = on & ~after
+    else:
+        ends = (turn_ends > 0) & on
+    ends_l = ends.long()
+    turn_id = ends_l.cumsum(1) - ends_l  # (B, T): turns ended strictly before each position
+    # A turn starts at a mask-1 position when the previous mask-1 position of its row ended a turn (or none was).
+    starts = torch.zeros_like(on)
+    prev_end = torch.ones_like(on[:, 0])
+    for t in range(on.shape[1]):
+        starts[:, t] = on[:, t] & prev_end
+        prev_end = torch.where(on[:, t], ends[:, t], prev_end)
+    B, K = values.shape[0], int(turn_id[on].max()) + 1 if on.any() else 0
+    idx = turn_id.clamp(max=max(K - 1, 0))
+    turn_rewards = values.new_zeros(B, K).scatter_add_(1, idx, rewards) if K else values.new_zeros(B, 0)
+    turn_values = values.new_zeros(B, K)
+    rows, cols = starts.nonzero(as_tuple=True)
+    turn_values[rows, turn_id[rows, cols]] = values[rows, cols]
+    # Turns a row does not have hold r = V = 0 and sit after its last turn, so they add nothing below.
+    turn_adv = torch.zeros_like(turn_values)
+    next_value, next_adv = values.new_zeros(B), values.new_zeros(B)
+    for k in reversed(range(K)):
+        delta = turn_rewards[:, k] + gamma * next_value - turn_values[:, k]
+        next_adv = delta + gamma * lam * next_adv
+        turn_adv[:, k], next_value = next_adv, turn_values[:, k]
+    if K == 0:
+        return torch.zeros_like(values), torch.zeros_like(values)
+    advantages = turn_adv.gather(1, idx) * mask
+    returns = (turn_adv + turn_values).gather(1, idx) * mask
+    return advantages, returns

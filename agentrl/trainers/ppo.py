@@ -24,7 +24,7 @@ from accelerate.utils import ProjectConfiguration, set_seed
 
 from agentrl import core
 from agentrl.algos import (AdaptiveKLController, FixedKLController, gae, kl_penalty, kl_shaped_rewards, masked_mean,
-                           masked_var, whiten)
+                           masked_var, turn_gae, whiten)
 from agentrl.algos.losses import entropy_from_logits, ppo_policy_loss, ppo_value_loss, tis_weights
 from agentrl.models.value_head import AutoModelForCausalLMWithValueHead, create_reference_model
 from agentrl.rollout.engine import Episode, rollout
@@ -118,10 +118,15 @@ class PPOConfig:
     share_prompt_prefix: bool = False  # the tokens every episode of a batch begins with (system message, tool
     # schemas) run once per forward, not once per episode (trainers/common.common_prefix_logprobs): the same
     # maths up to float rounding; decisive for chat-template prompts on a real model
+    gae_level: Literal["token", "turn"] = "token"  # "turn": GAE over an episode's turns (values read where each
+    # turn starts: the state the environment returned), each turn's advantage and return given to all its tokens,
+    # its rewards (score and KL terms) summed (algos.turn_gae); "token": TRL's GAE over every sampled token
 
     def __post_init__(self):
         if self.tis_clip is not None and self.tis_clip <= 0:
             raise ValueError(f"tis_clip must be > 0 (or None: off), got {self.tis_clip}")
+        if self.gae_level not in ("token", "turn"):
+            raise ValueError(f"gae_level must be 'token' or 'turn', got {self.gae_level!r}")
         if self.kl_penalty not in ("kl", "abs", "mse", "full"):
             raise ValueError(f"kl_penalty must be one of kl, abs, mse, full; got {self.kl_penalty!r}")
         for name in ("batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs"):
@@ -327,7 +332,7 @@ class PPOTrainer:
             batch = episodes_to_batch(episodes, self.tokenizer.pad_token_id, self.config.missing_eos_penalty)
             check_batch(episodes, batch)
             mask_infra_failures(episodes, batch)  # failures outside the policy teach it nothing
-            stats = self._update(batch)
+            stats = self._update(batch, turn_end_mask(episodes, batch) if self.config.gae_level == "turn" else None)
             warn_if_approx_kl_explodes(stats["ppo/policy/approxkl"], self.config, self.current_step)
             end_of_step(self, stats, episodes, episodes, rollout_seconds, sync_seconds, history, callback, checkpointer,
                         bar, i == steps - 1, lambda st: {"score": f"{st['ppo/mean_scores']:.2f}",
@@ -427,7 +432,9 @@ class PPOTrainer:
         ref = self.ref_model
         return ref.pretrained_model if isinstance(ref, AutoModelForCausalLMWithValueHead) else ref
 
-    def _update(self, batch: TokenBatch) -> dict[str, float]:
+    def _update(self, batch: TokenBatch, turn_ends: torch.Tensor | None = None) -> dict[str, float]:
+        """One PPO step on a batch. turn_ends (B, T-1): 1 at each turn's last sampled token, for gae_level "turn"
+        (None: each run of sampled tokens is a turn)."""
         cfg, t0 = self.config, time.time()
         if cfg.ptx_coef > 0 and self.ptx is None:
             raise ValueError("ptx_data='env' needs trainer.set_ptx_data(demonstrations) (agentrl jobs call it)")
@@ -457,7 +464,7 @@ class PPOTrainer:
             rewards, non_score_rewards = kl_shaped_rewards(batch.scores, kl, self.kl_ctl.value)
             t_rewards = time.time()
             raw_values = values
-            values, advantages, returns = self.compute_advantages(values, rewards, mask)
+            values, advantages, returns = self.compute_advantages(values, rewards, mask, turn_ends)
             self._sample_tensors = {"trainer_logprobs": old_logprobs, "ref_logprobs": ref_logprobs,
                                     "advantages": advantages, "values": raw_values}
             t_adv = time.time()
@@ -568,8 +575,12 @@ class PPOTrainer:
 
     # --- the pieces of the update (public names as in TRL 0.11, whose step() the adapter runs through them) ---
 
-    def compute_advantages(self, values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor):
+    def compute_advantages(self, values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor,
+                           turn_ends: torch.Tensor | None = None):
         """GAE over the mask-1 positions (B, T) -> (values, advantages, returns), each (B, T), 0 where mask is 0.
+
+        gae_level "turn": GAE over turns instead (algos.turn_gae; turn_ends (B, T) marks each turn's last token,
+        None: the last of each run of mask-1 positions).
 
         Rewards are whitened first with `whiten_rewards`; advantages are whitened over the mask (TRL always
         does; `whiten_advantages=False` turns it off) and detached. Mask-0 positions inside a row (tool output)
@@ -581,7 +592,11 @@ class PPOTrainer:
             else (lambda x: None)
         if self.config.whiten_rewards:
             rewards = whiten(rewards, mask, shift_mean=False, moments=moments(rewards))
-        advantages, returns = gae(rewards, values, mask, self.config.gamma, self.config.lam)
+        if self.config.gae_level == "turn":
+            advantages, returns = turn_gae(rewards, values, mask, None if turn_ends is None else turn_ends.to(mask.device),
+                                           self.config.gamma, self.config.lam)
+        else:
+            advantages, returns = gae(rewards, values, mask, self.config.gamma, self.config.lam)
         if self.config.whiten_advantages:
             advantages = whiten(advantages, mask, moments=moments(advantages))
 
@@ -731,6 +746,16 @@ class PPOTrainer:
         head = {k: v.contiguous() for k, v in full.items() if k.startswith("v_head.")}
         write_lm(model.pretrained_model, tmp, lm if self.is_peft_model else {**lm, **head}, tokenizer)
         save_file(head, str(Path(tmp) / VALUE_HEAD_FILE))
+
+
+def turn_end_mask(episodes: list[Episode], batch: TokenBatch) -> torch.Tensor:
+    """(B, T-1): 1 at the position predicting each turn's last sampled token (where its score sits), from
+    Episode.turn_ends: exact even where two turns meet with no observation tokens between them."""
+    ends = torch.zeros_like(batch.loss_mask)
+    for i, ep in enumerate(episodes):
+        n = len(ep.prompt_ids)
+        ends[i, [n + e - 1 for e in ep.turn_ends]] = 1.0
+    return ends
 
 
 def _flat_config(config: PPOConfig) -> dict[str, Any]:

@@ -160,3 +160,52 @@ def test_ppo_leaves_episodes_failed_outside_the_policy_out_of_the_update(tiny_ba
                           lora_model(tiny_base), None, AutoTokenizer.from_pretrained(tiny_base))
 
     assert_failures_give_no_gradient(monkeypatch, trainer, calculator_tasks(12), 2 / 6)
+
+
+class ThreeTurnEnv:
+    """Three turns, each cut by max_new_tokens (EOS ends none), an observation after the first two, scored last."""
+
+    stop_patterns: tuple = ()
+    max_turns = 3
+    eos_ends_episode = False
+
+    def reset(self, task):
+        self.turn = 0
+        return f"Question: {task['question']}\n"
+
+    def step(self, action):
+        from agentrl.envs.base import StepResult
+
+        self.turn += 1
+        done = self.turn == 3
+        return StepResult(None if done else "\nObservation: ok\n", float(done) * (len(action) % 3), done)
+
+
+def test_turn_level_gae_step_on_a_multi_turn_env(tiny_base, tmp_path):
+    """gae_level "turn": one advantage per turn, the same on each of its tokens; "token" differs within a turn."""
+    tasks = [{"question": f"{i} + 1"} for i in range(8)]
+    advantages = {}
+    for level in ("turn", "token"):
+        trainer = PPOTrainer(PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=1, learning_rate=1e-3,
+                                       value_head_init_std=0.1, gae_level=level, lam=0.9),
+                             lora_model(tiny_base), None, AutoTokenizer.from_pretrained(tiny_base))
+        seen = []
+        trainer._update = (lambda update: lambda batch, turn_ends=None: seen.append((batch.loss_mask, turn_ends))
+                           or update(batch, turn_ends))(trainer._update)
+        history = trainer.train(ThreeTurnEnv, tasks, steps=1, sampling=SamplingParams(max_new_tokens=4),
+                                progress=False)
+        assert history[-1]["env/mean_turns"] == 3 and math.isfinite(history[-1]["ppo/loss/total"])
+        adv = advantages[level] = trainer._sample_tensors["advantages"]
+        mask, ends = seen[0]
+        if level == "turn":
+            assert ends.sum().item() == 3 * 8  # every turn's last token marked, on a sampled token
+            assert (ends * mask).sum().item() == 3 * 8
+            for b in range(8):
+                start = 0
+                for e in ends[b].nonzero().flatten().tolist():
+                    turn = adv[b, start:e + 1][mask[b, start:e + 1] > 0]
+                    assert torch.allclose(turn, turn[0].expand_as(turn)), (b, start, e)
+                    start = e + 1
+        else:
+            assert ends is None
+    assert not torch.allclose(advantages["turn"], advantages["token"])
