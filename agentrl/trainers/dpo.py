@@ -16,7 +16,7 @@ import random
 import time
 import warnings
 from collections import defaultdict
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Literal
 
 import torch
@@ -74,11 +74,11 @@ class DPOConfig:
         # A comparison with NaN is False, so NaN fails too. A negative beta trains the preferences in reverse; zero
         # divides (ipo).
         if not 0 < self.beta < math.inf:
-            raise ValueError(f"beta: must be a finite number > 0, got {self.beta!r}")
+            raise UserError(f"beta: must be a finite number > 0, got {self.beta!r}")
         if not 0 < self.learning_rate < math.inf:
-            raise ValueError(f"learning_rate: must be a finite number > 0, got {self.learning_rate!r}")
+            raise UserError(f"learning_rate: must be a finite number > 0, got {self.learning_rate!r}")
         if not 0 <= self.label_smoothing < 0.5:
-            raise ValueError(f"label_smoothing: must be in [0, 0.5), got {self.label_smoothing!r}")
+            raise UserError(f"label_smoothing: must be in [0, 0.5), got {self.label_smoothing!r}")
 
     @classmethod
     def from_args(cls, args) -> "DPOConfig":
@@ -106,9 +106,8 @@ class DPOTrainer:
         unknown = set(overrides) - {f.name for f in fields(DPOConfig)}
         if unknown:
             raise TypeError(f"DPOTrainer got unexpected arguments {sorted(unknown)}")
-        for key, value in overrides.items():
-            if value is not None:
-                setattr(config, key, value)
+        # replace(), not setattr: DPOTrainer(beta=-1) is checked by __post_init__ as DPOConfig(beta=-1) is.
+        config = replace(config, **{key: value for key, value in overrides.items() if value is not None})
         self.config = config
         if config.fp16 and not torch.cuda.is_available():
             raise UserError("dpo.fp16: fp16 needs a CUDA GPU and none is available; set fp16=False (or bf16=True)")

@@ -86,6 +86,9 @@ class GRPOConfig:
             raise ValueError(f"temperature must be a finite number > 0, got {self.temperature}")
         if not 0 < self.learning_rate < math.inf:
             raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate}")
+        for name in ("epsilon", "epsilon_high"):  # the ratio clip; NaN fails too
+            if getattr(self, name) is not None and not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
         if not 0 <= self.beta < math.inf:  # a negative beta would reward drifting away from the reference
             raise ValueError(f"beta must be a finite number >= 0, got {self.beta}")
         if not 0 <= self.step_advantage_weight < math.inf or not 0 <= self.step_gamma <= 1:

@@ -23,6 +23,7 @@ import torch
 from accelerate.utils import ProjectConfiguration, set_seed
 
 from agentrl import core
+from agentrl.errors import UserError
 from agentrl.algos import (AdaptiveKLController, FixedKLController, gae, kl_penalty, kl_shaped_rewards, masked_mean,
                            masked_var, turn_gae, whiten)
 from agentrl.algos.losses import entropy_from_logits, ppo_policy_loss, ppo_value_loss, tis_weights
@@ -123,6 +124,18 @@ class PPOConfig:
     # its rewards (score and KL terms) summed (algos.turn_gae); "token": TRL's GAE over every sampled token
 
     def __post_init__(self):
+        # Checked here, not only in the job's config: PPOConfig(cliprange=float("nan")) built in code must fail too.
+        # A comparison with NaN is False, so NaN fails every one of these.
+        for name, low, high in (("learning_rate", 0, math.inf), ("cliprange", 0, math.inf),
+                                ("cliprange_value", 0, math.inf), ("temperature", 0, math.inf)):
+            if not low < getattr(self, name) < high:
+                raise UserError(f"{name}: must be a finite number > 0, got {getattr(self, name)!r}")
+        for name in ("init_kl_coef", "vf_coef", "ptx_coef"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise UserError(f"{name}: must be a finite number >= 0, got {getattr(self, name)!r}")
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise UserError(f"{name}: must be in [0, 1], got {getattr(self, name)!r}")
         if self.tis_clip is not None and self.tis_clip <= 0:
             raise ValueError(f"tis_clip must be > 0 (or None: off), got {self.tis_clip}")
         if self.gae_level not in ("token", "turn"):
