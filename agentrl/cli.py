@@ -68,7 +68,7 @@ def _cmd_preferences(args) -> int:
 
     print(json.dumps(run_preferences(args.model, args.adapter, args.env, args.env_kwargs, args.task_source, args.tasks,
                                      args.seed, args.split, args.samples, args.temperature, args.max_new_tokens,
-                                     args.out, tasks_kwargs=args.tasks_kwargs)))
+                                     args.out, tasks_kwargs=args.tasks_kwargs, judge=args.judge)))
     return 0
 
 
@@ -203,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=_at_least_one, default=4, help="trajectories per task (K)")
     p.add_argument("--temperature", type=_positive_finite, default=1.0)
     p.add_argument("--out", required=True, help="pairs JSONL to write")
+    p.add_argument("--judge", default=None, help="an LLM judge's choice instead of the environment's score: JSON of "
+                   "reward.judge keys, e.g. '{\"mode\": \"ranking\", \"model\": \"smollm2-135m\"}' (docs/judge.md)")
     p.set_defaults(func=_cmd_preferences)
 
     p = sub.add_parser("reward-model", help="train a Bradley-Terry reward model from preference pairs", parents=[debug])

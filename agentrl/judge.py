@@ -260,6 +260,7 @@ class JudgeScorer:
         self.backend = backend or (ServerJudge(section) if section.base_url else LocalJudge(section.model))
         self.cache = VerdictCache(Path(cache_path) if section.cache and cache_path else None)
         self.stats = {"episodes": 0, "asked": 0, "cached": 0, "retried": 0, "failed": 0}
+        self.last_error: str | None = None
 
     # one verdict: retried while malformed; None after the last retry
     def _verdict(self, messages: list[dict], read):
@@ -276,7 +277,9 @@ class JudgeScorer:
                 try:
                     output = run()
                 except Exception as e:  # noqa: BLE001 - a timeout or a server error is a failed verdict, not a crash
-                    output = {"error": f"{type(e).__name__}: {e}"[:300]}
+                    body = getattr(e, "body", None)  # a server's 400 says why in its body (a prompt over the context)
+                    output = {"error": f"{type(e).__name__}: {e}{f' {body}' if body else ''}"[:300]}
+                    self.last_error = output["error"]  # shown in summary(): why verdicts failed
                 else:
                     self.cache.put(key, output)
                 self.stats["asked"] += 1
@@ -340,7 +343,7 @@ class JudgeScorer:
     def summary(self) -> dict:
         """Counts for the run's summary: episodes judged, verdicts asked / read from the cache, retries, failures."""
         return {**self.stats, "failure_rate": round(self.stats["failed"] / max(self.stats["episodes"], 1), 4),
-                "backend": self.backend.name}
+                "backend": self.backend.name, **({"last_error": self.last_error} if self.last_error else {})}
 
 
 def judge_hook(section: JudgeSection, policy_tokenizer, out_dir: Path | str | None) -> JudgeScorer | None:

@@ -173,12 +173,16 @@ def episode_messages(ep: Episode, tokenizer) -> list[dict]:
 
 def build_pairs(episodes: list[Episode], group_size: int) -> tuple[list[tuple[Episode, Episode]], int]:
     """Consecutive groups of `group_size` episodes of one task -> (best, worst) pairs and the number of
-    groups skipped because every score was equal (a group of one is always such a tie)."""
+    groups skipped because every score was equal (a group of one is always such a tie). Episodes that failed
+    outside the policy (infra_failure: a dead tool server, a judge's malformed verdict) take no part."""
     if group_size < 1 or len(episodes) % group_size:
         raise ValueError(f"{len(episodes)} episodes do not split into groups of {group_size}")
     pairs, ties = [], 0
     for start in range(0, len(episodes), group_size):
-        group = episodes[start:start + group_size]
+        group = [ep for ep in episodes[start:start + group_size] if not ep.infra_failure]
+        if not group:
+            ties += 1
+            continue
         best = max(group, key=lambda e: e.score)
         worst = min(group, key=lambda e: e.score)
         if best.score == worst.score:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from agentrl.config import load_config, to_dict
+from agentrl.judge import JudgeSection, check_judge, judge_hook
 from agentrl.jobs.common import (EnvSection, ModelSection, RolloutSection, add_lora, eval_key, held_out_summary,
                                  prepare_run, resolve_config_path, stored_eval, summary_config, warn_ineffective)
 from agentrl.trainers.dpo import DPOConfig
@@ -21,6 +22,8 @@ class IterativeSection:
     samples: int = 4  # trajectories per task (K); chosen = best, rejected = worst, ties skipped
     reference: Literal["previous", "base"] = "previous"  # reference of each round: last round's policy or the base
     temperature: float = 1.0  # sampling temperature of the rollouts
+    judge: JudgeSection = field(default_factory=JudgeSection)  # an LLM judge picks chosen/rejected instead of the
+    # environment's score (agentrl/judge.py; ranking: one call per task's samples)
 
 
 @dataclass
@@ -94,6 +97,7 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
         print(f"agentrl: {world_banner()}", flush=True)
     out = Path(config.out_dir)
     _warn_ignored(config, out)
+    check_judge(config.iterative.judge, "iterative.judge")
     fingerprint = run_config(to_dict(config))
     state = open_run(out, config.resume, fingerprint)
     job = _Job(config, out, fingerprint, state, (state or {}).get("job") or {
@@ -134,6 +138,7 @@ def run_dpo_job(config: DPOJobConfig) -> dict:
         "eval_tasks": len(run.eval_tasks), "train_seconds": round(train_seconds, 1),
         "wall_seconds": round(time.time() - started, 1),
         "base_model_dir": str(run.base_dir), "adapter_dir": dpo_cfg.output_dir, "config": summary_config(config),
+        **({"judge": job.live["judge"].summary()} if job.live.get("judge") else {}),
     }
     write_json(out / "summary.json", summary)
     end_processes()
@@ -181,6 +186,7 @@ def _iterative_dpo(job: _Job, dpo_cfg: DPOConfig, run, model, procs):
         cycler.load_state_dict(progress["cycler"])
     sampling = SamplingParams(max_new_tokens=config.rollout.max_new_tokens, temperature=config.iterative.temperature,
                               top_k=config.rollout.top_k, top_p=config.rollout.top_p)
+    job.live["judge"] = judge_hook(config.iterative.judge, run.tokenizer, job.out)  # cached in out/judge-cache.jsonl
     trainer = None
     for r in range(progress["round"], config.iterative.rounds):
         resuming = progress["examples"] is not None
@@ -213,7 +219,7 @@ def _sample_round(job: _Job, r: int, run, model, trainer, cycler, sampling, proc
     with procs.split_between_processes(cycler.draw(config.iterative.tasks_per_round)) as mine, \
             gathered_for_generation(trainer.accelerator, trainer.model) if trainer else nullcontext():
         pairs, ties, rows = sample_pairs(model, run.tokenizer, run.env_factory, mine, config.iterative.samples,
-                                         sampling)
+                                         sampling, job.live.get("judge"))
     if procs.num_processes > 1:
         from accelerate.utils import gather_object
 

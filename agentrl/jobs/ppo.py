@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from agentrl.config import ConfigError, load_config, to_dict
+from agentrl.judge import JudgeSection, check_judge, judge_hook
 from agentrl.jobs.common import (EnvSection, ModelSection, RolloutSection, add_lora, env_demonstrations, eval_key,
                                  held_out_summary, prepare_run, resolve_config_path, rollout_sampling, stored_eval,
                                  summary_config, warn_ineffective)
@@ -24,6 +25,7 @@ class RewardSection:
     weight: float = 1.0  # weight of the (combined) reward-model score
     env_weight: float = 1.0  # weight of the environment's score (0: reward models instead of the environment)
     combine: Literal["mean", "min"] = "mean"  # how several reward models are combined
+    judge: JudgeSection = field(default_factory=JudgeSection)  # an LLM judge's score (agentrl/judge.py, docs/judge.md)
 
 
 @dataclass
@@ -79,6 +81,7 @@ def run_job(config: JobConfig) -> dict:
     out = Path(config.out_dir)
     resolve_precisions(config)
     warn_ineffective(config, config.algo)
+    check_judge(config.reward.judge)
     fingerprint = run_config(to_dict(config))
     state = open_run(out, config.resume, fingerprint)
     checkpointer = job_checkpointer(out, config, job_state=lambda: {"config": fingerprint})
@@ -107,6 +110,9 @@ def run_job(config: JobConfig) -> dict:
             raise ValueError(f"steps={config.steps}, but the checkpoint resumed from is at step {trainer.current_step}")
         sampling = rollout_sampling(config.rollout, algo_config.temperature)
         score_hook = reward_model_hook(config, tokenizer)
+        judge = judge_hook(config.reward.judge, tokenizer, out)  # verdicts cached in out/judge-cache.jsonl
+        if judge is not None:  # after the reward models: the judge's weight applies to the env score they left
+            score_hook = judge if score_hook is None else _chain(score_hook, judge)
         ppo_started = time.time()
         with checkpointer.loop():
             trainer.train(env_factory, train_tasks, steps=remaining, sampling=sampling,
@@ -132,6 +138,7 @@ def run_job(config: JobConfig) -> dict:
         "base_model_dir": str(run.base_dir), "adapter_dir": str(adapter_dir), "config": summary_config(config),
         **({} if vllm_startup is None else {"vllm_startup_seconds": vllm_startup}),
         **({} if retention is None else {"retention": retention}),
+        **({} if judge is None else {"judge": judge.summary()}),
     }
     write_json(out / "summary.json", summary)
     end_processes()
@@ -174,6 +181,13 @@ def reward_model_hook(config: JobConfig, tokenizer):
 
     return RewardModelScorer(config.reward.models, tokenizer, config.reward.weight, config.reward.env_weight,
                              config.reward.combine)
+
+
+def _chain(*hooks):
+    def hook(episodes):
+        for h in hooks:
+            h(episodes)
+    return hook
 
 
 def retention_before(config, out: Path, fingerprint: dict, model) -> dict | None:

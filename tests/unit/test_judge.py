@@ -129,7 +129,7 @@ def test_local_judge_on_the_tiny_model(tiny_base, tmp_path):
     top = judge.next_token(judge_messages(JudgeSection(mode="yes_no"), "q", ["a"], None))
     assert 0 < sum(top.values()) <= 1.0001
     for mode in ("yes_no", "rating"):
-        section = JudgeSection(mode=mode, model=tiny_base, retries=1, max_new_tokens=8)
+        section = JudgeSection(mode=mode, model=tiny_base, rubric="Be right.", retries=1, max_new_tokens=8)
         scorer = JudgeScorer(section, tokenizer, tmp_path / f"{mode}.jsonl", backend=judge)
         eps = [Episode(task={"question": "2+2?", "answer": "4"}, prompt_ids=tokenizer("Q")["input_ids"],
                        token_ids=tokenizer("Answer: 4")["input_ids"], turn_ends=[0], turn_rewards=[1.0])]
@@ -154,6 +154,11 @@ def test_server_judge_against_a_real_transformers_serve(tiny_base, tmp_path):
     cli = shutil.which("transformers", path=str(__import__("pathlib").Path(sys.executable).parent))
     if cli is None:
         pytest.skip("the transformers CLI is not installed next to this python")
+    # The tiny model has no chat template, and a chat endpoint needs one: a copy with the plainest template.
+    served = tmp_path / "judge-model"
+    shutil.copytree(tiny_base, served)
+    (served / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['content'] }}\n\n{% endfor %}{% if add_generation_prompt %}Verdict: {% endif %}")
     port = _free_port()
     server = subprocess.Popen([cli, "serve", "--port", str(port), "--device", "cpu"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
@@ -171,7 +176,7 @@ def test_server_judge_against_a_real_transformers_serve(tiny_base, tmp_path):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tiny_base)
-        section = JudgeSection(mode="rating", model=tiny_base, base_url=f"http://127.0.0.1:{port}/v1", retries=1,
+        section = JudgeSection(mode="rating", model=str(served), rubric="Be right.", base_url=f"http://127.0.0.1:{port}/v1", retries=1,
                                max_new_tokens=8, timeout=120, concurrency=2)
         eps = [Episode(task={"question": f"{k}+1?", "answer": str(k + 1)}, prompt_ids=tokenizer("Q")["input_ids"],
                        token_ids=tokenizer(f"Answer: {k + 1}")["input_ids"], turn_ends=[0], turn_rewards=[1.0])
@@ -187,3 +192,16 @@ def test_server_judge_against_a_real_transformers_serve(tiny_base, tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_judged_pairs_leave_out_masked_episodes():
+    """Iterative DPO / `agentrl preferences`: a judge's ranking picks chosen and rejected; an episode it could not
+    judge takes no part (rows keep the {prompt, chosen, rejected} format the reward-model job reads)."""
+    from agentrl.preferences import build_pairs
+
+    eps = [episode("q", t, prompt="A") for t in ("x", "y", "z")] + [episode("r", t, prompt="B") for t in ("u", "v")]
+    backend = Scripted(["Ranking: 3 > 1 > 2", "junk", "junk"])
+    JudgeScorer(JudgeSection(mode="ranking", model="m", retries=1), CharTokenizer(), backend=backend)(eps)
+    pairs, _ = build_pairs(eps[:3], 3)
+    assert [(chr(b.token_ids[0]), chr(w.token_ids[0])) for b, w in pairs] == [("z", "y")]
+    assert all(ep.infra_failure for ep in eps[3:]) and build_pairs(eps[3:], 2) == ([], 1)
