@@ -59,7 +59,7 @@ RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
         "max_new_tokens", "keep_checkpoints", "sample_every", "lora_r", "lora_alpha", "max_context",
         "max_observation_tokens")},
     **{name: (lambda x: x >= 0, "must be >= 0") for name in (
-        "steps", "top_k", "checkpoint_every", "samples_per_step", "max_nonfinite_steps")},
+        "steps", "top_k", "checkpoint_every", "samples_per_step", "max_nonfinite_steps", "step_timeout")},
     "top_p": (lambda x: 0 < x <= 1, "must be in (0, 1]"),
     "lora_dropout": (lambda x: 0 <= x < 1, "must be in [0, 1)"),
 }

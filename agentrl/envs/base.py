@@ -143,6 +143,33 @@ def _shown(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"[:120]
 
 
+class EnvTimeout(Exception):
+    """env.reset / env.step ran past its deadline (env.step_timeout); its thread is abandoned, still running."""
+
+
+_ENV_THREADS = None  # tools._ToolThreads for env calls, made at the first call with a deadline
+
+
+def _within(timeout: float | None, fn: Callable, *args) -> Any:
+    """fn(*args), or with a deadline (seconds; None or 0: none) on a reused daemon thread (tools._ToolThreads):
+    EnvTimeout when it overruns, leaving the call running on a thread that never keeps the process alive (a
+    Python thread cannot be stopped). What fn raises (sys.exit included) is raised here, in the caller's thread."""
+    global _ENV_THREADS
+    if not timeout:
+        return fn(*args)
+    if _ENV_THREADS is None:
+        from agentrl.envs.tools import _ToolThreads
+
+        _ENV_THREADS = _ToolThreads("env", "an environment whose step or reset hangs needs fixing (a deadline inside "
+                                           "it), or lower env.step_timeout")
+    status, value = _ENV_THREADS.run(lambda: fn(*args), {}, timeout)
+    if status == "timeout":
+        raise EnvTimeout(f"did not return within {timeout:g} s (env.step_timeout)")
+    if status == "raised":
+        raise value
+    return value
+
+
 def _user_call(fn: Callable, where: str, *args, **kwargs) -> Any:
     """fn(*args, **kwargs); what the user's code raises (sys.exit included) becomes an EnvironmentContractError
     naming `where`. Our own errors (agentrl's exception classes, a stop signal) pass through: they say where."""
@@ -170,18 +197,19 @@ def check_attributes(env) -> None:
             raise EnvironmentContractError(f"{name}.stop_patterns: {pattern!r} is not a regex ({e})") from None
 
 
-def checked_reset(env, task: dict) -> str:
-    """env.reset(task), which must return the prompt text."""
-    prompt = _user_call(env.reset, f"{type(env).__name__}.reset", task)
+def checked_reset(env, task: dict, timeout: float | None = None) -> str:
+    """env.reset(task), which must return the prompt text; EnvTimeout past `timeout` seconds (None: none)."""
+    prompt = _user_call(_within, f"{type(env).__name__}.reset", timeout, env.reset, task)
     if not isinstance(prompt, str):
         raise EnvironmentContractError(f"{type(env).__name__}.reset must return the prompt (a str), "
                                        f"returned {_shown(prompt)}")
     return prompt
 
 
-def checked_step(env, action: str) -> StepResult:
-    """env.step(action), which must return a StepResult (or an object with its four fields)."""
-    result = _user_call(env.step, f"{type(env).__name__}.step", action)
+def checked_step(env, action: str, timeout: float | None = None) -> StepResult:
+    """env.step(action), which must return a StepResult (or an object with its four fields); EnvTimeout past
+    `timeout` seconds (None: none)."""
+    result = _user_call(_within, f"{type(env).__name__}.step", timeout, env.step, action)
     problem = None
     if not all(hasattr(result, name) for name in ("observation", "reward", "done", "info")):
         problem = f"returned {_shown(result)}"

@@ -243,10 +243,12 @@ class _ToolThreads:
     # Far more threads than calls ever run at once (engine.STEP_WORKERS steps at a time): most hold hung calls.
     WARN_AT = 256
 
-    def __init__(self):
+    def __init__(self, what: str = "tool", advice: str = "for a tool that hangs, ToolEnv(isolation='process') kills "
+                                                             "each call at its deadline"):
         self._idle: list[queue.SimpleQueue] = []  # inboxes of threads waiting for a call
         self._lock = threading.Lock()
         self._started = 0
+        self._what, self._advice = what, advice
 
     def run(self, fn: Callable, kwargs: dict, timeout: float | None) -> tuple[str, Any]:
         """("ok", result), ("raised", exception) or ("timeout", None)."""
@@ -256,11 +258,10 @@ class _ToolThreads:
             started = self._started = self._started + (inbox is None)
         if inbox is None:
             inbox = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(inbox,), name="agentrl-tool", daemon=True).start()
+            threading.Thread(target=self._serve, args=(inbox,), name=f"agentrl-{self._what}", daemon=True).start()
             if started == self.WARN_AT:
-                warnings.warn(f"{self.WARN_AT} tool threads started: calls that overran their timeout are still "
-                              f"running (a Python thread cannot be stopped); for a tool that hangs, "
-                              f"ToolEnv(isolation='process') kills each call at its deadline", stacklevel=3)
+                warnings.warn(f"{self.WARN_AT} {self._what} threads started: calls that overran their timeout are "
+                              f"still running (a Python thread cannot be stopped); {self._advice}", stacklevel=3)
         inbox.put((fn, kwargs, outbox))
         try:
             return outbox.get(timeout=timeout)

@@ -51,6 +51,9 @@ class EnvSection:
     # (trainers/sft.py), drawn over the training tasks: `agentrl sft`'s data, and the embedded model's
     train_tasks: int = 4000  # training tasks drawn (split "train")
     eval_tasks: int = 200  # held-out tasks (split "eval"), never seen in SFT or PPO
+    step_timeout: float | None = None  # seconds env.reset / env.step may run before the episode ends as an
+    # infrastructure failure (left out of the loss, counted as env/timeout_rate); None: the environment's own
+    # `step_timeout` attribute, else 300 (rollout/engine.STEP_TIMEOUT); 0: no deadline
 
 
 @dataclass
@@ -88,7 +91,13 @@ def environment_factory(env_cfg: EnvSection):
         cls = load_object(env_cfg.name)
     except ValueError as e:
         raise ConfigError(f"env.name: {e}") from None
-    factory = lambda: make_env(cls, env_cfg.kwargs)  # noqa: E731
+
+    def factory():
+        env = make_env(cls, env_cfg.kwargs)
+        if env_cfg.step_timeout is not None:
+            env.step_timeout = env_cfg.step_timeout
+        return env
+
     try:
         factory()
     except TypeError as e:  # the protocol's attributes are missing, or the kwargs do not fit the constructor
@@ -209,7 +218,7 @@ EVAL_FILE = "agentrl_eval.json"  # a model directory's own held-out evaluation, 
 def eval_key(env_cfg: EnvSection, eval_seed: int, rollout_cfg: RolloutSection, temperature: float,
              mixed_precision: str = "no") -> dict:
     """What a held-out evaluation depends on besides the weights (the rollout's lengths and budgets included)."""
-    env = {k: v for k, v in to_dict(env_cfg).items() if k not in ("demonstrations", "train_tasks")}
+    env = {k: v for k, v in to_dict(env_cfg).items() if k not in ("demonstrations", "train_tasks", "step_timeout")}
     lengths = {k: getattr(rollout_cfg, k) for k in ("max_new_tokens", "max_context", "max_observation_tokens")}
     return {"env": env, "eval_seed": eval_seed, **lengths, "temperature": temperature,
             "mixed_precision": mixed_precision}

@@ -11,16 +11,22 @@ turns are never re-rendered (chat environments hand over only the template's tex
 from __future__ import annotations
 
 import concurrent.futures
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from agentrl.envs.base import INFRA_FAILURE, Environment, check_attributes, checked_reset, checked_step
+from agentrl.envs.base import (INFRA_FAILURE, Environment, EnvTimeout, StepResult, check_attributes, checked_reset,
+                               checked_step)
 from agentrl.errors import UserError
 from agentrl.rollout.sampling import KVState, Sample, SamplingParams, sample_batch
 
 STEP_WORKERS = 16  # threads stepping environments that allow it (concurrent_steps)
+# Seconds an environment's reset or step may run before its episode ends as an infrastructure failure (the call
+# abandoned on its daemon thread): an environment's own `step_timeout` attribute, which env.step_timeout sets in
+# jobs, else this; 0 or None: no deadline (the call runs on the rollout's thread).
+STEP_TIMEOUT = 300.0
 # Later turns run only their new tokens on the KV cache of the earlier ones (sample_batch(kv=...)) instead of
 # re-prefilling prompt and history; False re-prefills (the same numbers up to float rounding).
 REUSE_KV = True
@@ -111,9 +117,15 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
     # segment exactly after it; every other environment gets plain text.
     skip_special = not getattr(envs[0], "keep_special_tokens", False) if envs else True
     limit = context_limit(model, params)
+    timeout = getattr(envs[0], "step_timeout", STEP_TIMEOUT) if envs else None
     episodes = []
     for k, (env, task) in enumerate(zip(envs, tasks)):
-        prompt = checked_reset(env, task)
+        try:
+            prompt = checked_reset(env, task, timeout)
+        except EnvTimeout as e:  # no prompt: an episode of no turns, left out of the loss
+            episodes.append(_timed_out(Episode(task=task, prompt_ids=encode_prompt(tokenizer, "") or
+                                               [tokenizer.eos_token_id], done=True), env, "reset", e))
+            continue
         if limit is not None and len(prompt) > _MAX_CHARS_PER_TOKEN * limit:  # not worth tokenizing
             raise ContextError(f"task {k} ({str(task.get('question', task))[:60]!r}): its prompt is {len(prompt)} "
                                f"characters, far over the {limit} tokens an episode may hold (rollout.max_context)")
@@ -152,7 +164,7 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
                                    value_head=value_head, kv=kv, room=rooms)
         previous = live
         actions = [tokenizer.decode(sample.ids, skip_special_tokens=skip_special) for sample in samples]
-        results = _step_all([envs[i] for i in live], actions)
+        results = _step_all([envs[i] for i in live], actions, timeout)
         for i, sample, result in zip(live, samples, results):
             ep = episodes[i]
             ep.token_ids += sample.ids
@@ -170,6 +182,8 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
             # EOS ends the episode, whatever the environment would allow, unless the environment says its
             # turns end with that token (chat templates whose end-of-turn token is the EOS).
             ep.done = result.done or (sample.finish == "eos" and eos_ends) or turn == max_turns - 1
+            if result.info.get("env_timeout"):
+                _timed_out(ep, envs[i], "step", result.info["env_timeout"])
             if sample.finish == "context":
                 _cut(ep)
             if not ep.done and result.observation:
@@ -222,14 +236,31 @@ def _observation_ids(tokenizer, text: str, ep: Episode, limit: int | None, max_t
     return ids if len(ids) <= budget else None
 
 
-def _step_all(envs: list, actions: list[str]) -> list:
+def _step_all(envs: list, actions: list[str], timeout: float | None = None) -> list:
     """env.step(action) for every live episode of a turn. Environments that declare `concurrent_steps = True`
     (ToolEnv: its tools may wait on I/O, a network search, a subprocess) are stepped from a thread pool, so a
-    batch's tool calls overlap instead of running one after the other; results keep their order."""
+    batch's tool calls overlap instead of running one after the other; results keep their order. A step past
+    `timeout` seconds gives a StepResult whose info["env_timeout"] says so."""
+    def step(env, action):
+        try:
+            return checked_step(env, action, timeout)
+        except EnvTimeout as e:
+            return StepResult(None, 0.0, True, {"env_timeout": e})
+
     if len(envs) > 1 and getattr(envs[0], "concurrent_steps", False):
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(STEP_WORKERS, len(envs))) as pool:
-            return list(pool.map(checked_step, envs, actions))
-    return [checked_step(env, action) for env, action in zip(envs, actions)]
+            return list(pool.map(step, envs, actions))
+    return [step(env, action) for env, action in zip(envs, actions)]
+
+
+def _timed_out(ep: Episode, env, method: str, error: EnvTimeout) -> Episode:
+    """End an episode whose environment hung: done, an infrastructure failure (left out of the loss, counted as
+    env/infra_failure_rate and env/timeout_rate)."""
+    warnings.warn(f"{type(env).__name__}.{method} {error}: its episode ends as an infrastructure failure "
+                  f"(counted as env/timeout_rate)", stacklevel=2)
+    ep.done = True
+    ep.info = {**ep.info, INFRA_FAILURE: True, "env_timeout": True}
+    return ep
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
@@ -249,5 +280,6 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
         "env/truncation_rate": sum(ep.truncated for ep in episodes) / n,
         "env/context_cut_rate": sum(bool(i.get("context_exceeded")) for i in info) / n,
         "env/infra_failure_rate": sum(ep.infra_failure for ep in episodes) / n,
+        "env/timeout_rate": sum(bool(i.get("env_timeout")) for i in info) / n,
         "env/mean_response_length": sum(sum(ep.loss_mask) for ep in episodes) / n,
     }
