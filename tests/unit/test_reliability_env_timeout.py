@@ -89,3 +89,30 @@ def test_process_exits_while_a_step_still_hangs(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "infra True" in done.stdout and "env/timeout_rate" in done.stderr
+
+
+def test_sigterm_while_a_step_hangs_exits():
+    # The rollout waits on the hung step's thread; a SIGTERM handler (the jobs' raises SignalExit) still runs.
+    script = textwrap.dedent("""
+        import signal, sys
+        sys.path.insert(0, %r)
+        from test_reliability_env_timeout import FakeTokenizer, HangsOnSome, writes
+        from agentrl.errors import SignalExit
+        from agentrl.rollout import SamplingParams, rollout
+
+        def stop(signum, frame):
+            raise SignalExit(128 + signum)
+
+        signal.signal(signal.SIGTERM, stop)
+        HangsOnSome.step_timeout = 600
+        print("ready", flush=True)
+        rollout(None, FakeTokenizer(), HangsOnSome, [{"question": "hang-step"}], SamplingParams(), sampler=writes("A"))
+    """) % str(__import__("pathlib").Path(__file__).parent)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(1.0)  # into the hung step
+        proc.send_signal(__import__("signal").SIGTERM)
+        assert proc.wait(timeout=30) == 128 + 15
+    finally:
+        proc.kill()
