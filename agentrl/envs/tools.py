@@ -339,7 +339,8 @@ class ToolRunner:
     """Dispatches validated calls to the functions with a per-call timeout and an observation size limit.
 
     isolation "thread" (default): calls run on daemon threads of this process; a call that overruns is
-    abandoned (see _ToolThreads), but a tool that calls os._exit or crashes the interpreter ends the run.
+    abandoned (see _ToolThreads), but a tool that calls os._exit or crashes the interpreter ends the run: no
+    Python hook sees either (patching os._exit would still miss posix._exit, `from os import _exit` and crashes).
     "process": each call runs in a forked child that is killed at the deadline, so nothing a tool does (os._exit,
     a segfault, a hang holding a lock) reaches the run; it costs a fork per call (milliseconds on a large
     process), changes to module state in a call do not persist, and it needs os.fork (Linux, macOS).
