@@ -94,8 +94,8 @@ def rollout(
     Context budgets (params.max_context, default the model's max_position_embeddings; params.max_observation_tokens):
     a prompt over the context is an error naming the task; a turn stops where the context is full, and an
     observation over its budget is not appended: either way the episode ends there, truncated, with
-    info["context_exceeded"] (counted as env/context_cut_rate). With `sampler`, turns run to max_new_tokens
-    (vLLM bounds them by its own max_model_len).
+    info["context_exceeded"] (counted as env/context_cut_rate). A `sampler` gets the same `room=` (per context,
+    the tokens it may still sample) where some episode has less than max_new_tokens left.
     """
     episodes: list[Episode] = []
     for start in range(0, len(tasks), batch_size):
@@ -157,7 +157,8 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
             contexts = [c[cached[i]:] for i, c in zip(live, contexts)]
         if sampler is not None:
             samples = sampler(contexts, params, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                              tokenizer=tokenizer, stop_patterns=stop_patterns, generator=generator)
+                              tokenizer=tokenizer, stop_patterns=stop_patterns, generator=generator,
+                              **({"room": rooms} if rooms is not None else {}))
         else:
             samples = sample_batch(model, contexts, params, tokenizer.eos_token_id, tokenizer.pad_token_id,
                                    tokenizer=tokenizer, stop_patterns=stop_patterns, generator=generator,

@@ -101,8 +101,11 @@ class VLLMRollout:
 
     def sample(self, contexts: list[list[int]], params: SamplingParams, eos_token_id: int,
                pad_token_id: int | None = None, tokenizer=None, stop_patterns: tuple[str, ...] = (),
-               generator: torch.Generator | None = None) -> list[Sample]:
-        """sample_batch's contract through vLLM: one Sample per context (ids, tempered logprobs, finish)."""
+               generator: torch.Generator | None = None, room: list[int] | None = None) -> list[Sample]:
+        """sample_batch's contract through vLLM: one Sample per context (ids, tempered logprobs, finish).
+
+        room: per context, the most tokens it may sample before the episode's context budget is full (the
+        rollout engine's rule, as for the hf sampler): vLLM writes no more, and such a turn ends "context"."""
         if not contexts:
             return []
         compiled = [re.compile(p) for p in stop_patterns]
@@ -111,26 +114,36 @@ class VLLMRollout:
         # One seed per request from torch's RNG: the same run for the same seed, as with the hf sampler.
         seeds = torch.randint(0, 2**31 - 1, (len(contexts),), generator=generator if generator is not None and
                               generator.device.type == "cpu" else None).tolist()
+        limits = turn_limits(params.max_new_tokens, len(contexts), room)
         requests = [self._vllm.SamplingParams(
-            max_tokens=params.max_new_tokens, temperature=params.temperature if params.do_sample else 0.0,
-            top_k=max(int(params.top_k), 0), top_p=params.top_p, min_tokens=params.min_new_tokens, logprobs=0,
-            ignore_eos=True, stop_token_ids=[eos_token_id], seed=seed, detokenize=False) for seed in seeds]
+            max_tokens=limit, temperature=params.temperature if params.do_sample else 0.0,
+            top_k=max(int(params.top_k), 0), top_p=params.top_p, min_tokens=min(params.min_new_tokens, limit),
+            logprobs=0, ignore_eos=True, stop_token_ids=[eos_token_id], seed=seed, detokenize=False)
+            for seed, limit in zip(seeds, limits)]
         outputs = self.llm.generate([{"prompt_token_ids": list(c)} for c in contexts], requests, use_tqdm=False)
         samples = []
-        for out in outputs:
+        for i, out in enumerate(outputs):
             completion = out.outputs[0]
             ids = list(completion.token_ids)
             logprobs = [float(position[token].logprob) for token, position in zip(ids, completion.logprobs)]
-            samples.append(_cut(ids, logprobs, eos_token_id, compiled, tokenizer))
+            samples.append(_cut(ids, logprobs, eos_token_id, compiled, tokenizer, None if room is None else room[i]))
         return samples
 
 
-def _cut(ids: list[int], logprobs: list[float], eos_token_id: int, compiled: list[re.Pattern], tokenizer) -> Sample:
-    """The sample the hf sampler would have returned: up to the first EOS or stop-pattern match, in its order of
-    checks (EOS first, then the decoded turn text)."""
+def turn_limits(max_new_tokens: int, n: int, room: list[int] | None = None) -> list[int]:
+    """Each request's max_tokens: max_new_tokens, or fewer where the episode's context has less room left."""
+    return [max_new_tokens] * n if room is None else [max(1, min(max_new_tokens, r)) for r in room]
+
+
+def _cut(ids: list[int], logprobs: list[float], eos_token_id: int, compiled: list[re.Pattern], tokenizer,
+         room: int | None = None) -> Sample:
+    """The sample the hf sampler would have returned: up to the first EOS, stop-pattern match or full context
+    (`room` tokens), in its order of checks (sampling._finish: EOS, then the decoded turn text, then the room)."""
     for k, token in enumerate(ids, start=1):
         if token == eos_token_id:
             return Sample(ids[:k], logprobs[:k], "eos")
         if compiled and any(p.search(tokenizer.decode(ids[:k])) for p in compiled):
             return Sample(ids[:k], logprobs[:k], "stop")
+        if room is not None and k >= room:
+            return Sample(ids[:k], logprobs[:k], "context")
     return Sample(ids, logprobs, "length")
