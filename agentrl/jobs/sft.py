@@ -73,7 +73,7 @@ def run_sft_job(config: JobConfig) -> dict:
                                   config.progress, str(out / "metrics.jsonl"))
         meta = json.loads((model_dir / META_FILE).read_text())
         trained = {k: meta[k] for k in ("final_loss", "demonstrations", "skipped_rows", "truncated_rows",
-                                        "demo_exact_match", "train_seconds")}
+                                        "demo_exact_match", "trained_steps", "train_seconds")}
     else:
         model, tokenizer = load_base(config.model.base, config.model)
         retention = retention_before(config, out, fingerprint, model)

@@ -55,12 +55,19 @@ class SFTConfig:
     # AVX512-BF16, many times slower where emulated); auto: bf16 where native (agentrl/precision.py)
     replay_fraction: float = 0.0  # `agentrl sft` on a pretrained model: this share of the rows are the model's own
     # greedy answers to general instructions (jobs/retention.REPLAY_PROMPTS), so it keeps what it knew; 0: off
+    min_demo_exact_match: float = 0.9  # the embedded builder (jobs/base_model.py) trains on past `steps`, in
+    # rounds of `steps`, while fewer of the demonstrations than this are reproduced (demo_exact_match); 0: off
+    max_steps: int | None = None  # the bound on those rounds, in steps (None: 4 x steps); reached, it warns
     progress: bool = True  # progress bar
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "max_length", "logging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.min_demo_exact_match <= 1.0:  # NaN fails too
+            raise ValueError(f"min_demo_exact_match must be in [0, 1], got {self.min_demo_exact_match}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1 (or None: 4 x steps), got {self.max_steps}")
         if not 0.0 <= self.replay_fraction < 1.0:
             raise ValueError(f"replay_fraction must be in [0, 1), got {self.replay_fraction}")
 
@@ -291,24 +298,34 @@ class SFTTrainer:
             raise DemonstrationDataError(f"{dataset_name or train_dataset}: no usable demonstrations "
                                          f"({self.skipped_rows} skipped)")
         self.history: list[dict] = []
+        self.steps_done = 0
+        self._optimizer = self._batches = self._log = None
 
-    def train(self, metrics_path: str | None = None) -> list[dict]:
-        """`steps` AdamW steps on batches of demonstrations; returns the logged rows."""
+    def train(self, metrics_path: str | None = None, steps: int | None = None) -> list[dict]:
+        """`steps` (default: the config's) AdamW steps on batches of demonstrations; returns the logged rows.
+
+        Called again, it trains `steps` more: a fresh warmup and cosine cycle (a warm restart, Loshchilov & Hutter
+        2017, arXiv:1608.03983) with the same optimizer, the batches and the metrics rows going on where they stopped.
+        """
         from transformers import get_cosine_schedule_with_warmup
 
-        cfg, model = self.config, self.model
+        cfg, model, steps = self.config, self.model, steps or self.config.steps
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters")
-        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-        schedule = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.steps)
-        batches = DemonstrationBatches(self.examples, cfg.batch_size, self.tokenizer.pad_token_id, cfg.seed, cfg.shuffle)
-        log, bar, started = MetricsLog(metrics_path), progress_bar(cfg.steps, "SFT", cfg.progress), time.time()
+        if self._optimizer is None:
+            self._optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+            self._batches = DemonstrationBatches(self.examples, cfg.batch_size, self.tokenizer.pad_token_id, cfg.seed,
+                                                 cfg.shuffle)
+            self._log = MetricsLog(metrics_path)
+        optimizer, batches, log, done = self._optimizer, self._batches, self._log, self.steps_done
+        schedule = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, steps)
+        bar, started = progress_bar(steps, "SFT", cfg.progress), time.time()
         model.train()
         loss_value = math.nan
         device_type = next(model.parameters()).device.type
         bf16 = resolve_mixed_precision(cfg.mixed_precision, device_type) == "bf16"
-        for step in range(cfg.steps):
+        for step in range(steps):
             with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
                 loss = sft_loss(model, batches.next())
             loss.backward()
@@ -318,9 +335,10 @@ class SFTTrainer:
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
             loss_value = loss.item()
-            if (step + 1) % cfg.logging_steps == 0 or step + 1 == cfg.steps:
-                row = {"step": step + 1, "loss": loss_value, "learning_rate": schedule.get_last_lr()[0],
-                       "epoch": (step + 1) * cfg.batch_size / len(self.examples),
+            self.steps_done = done + step + 1
+            if (step + 1) % cfg.logging_steps == 0 or step + 1 == steps:
+                row = {"step": self.steps_done, "loss": loss_value, "learning_rate": schedule.get_last_lr()[0],
+                       "epoch": self.steps_done * cfg.batch_size / len(self.examples),
                        "time": round(time.time() - started, 1)}
                 self.history.append(row)
                 log.write(row)
