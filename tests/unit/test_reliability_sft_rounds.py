@@ -46,14 +46,14 @@ def test_short_of_it_trains_more_rounds_until_reproduced(monkeypatch):
 
 
 def test_the_bound_stops_it_with_a_warning_that_says_what_to_change(monkeypatch):
-    trainer, rounds, warned = rounds_with(monkeypatch, [0.1, 0.2, 0.3, 0.4, 0.5], steps=100, max_steps=250)
+    trainer, _, warned = rounds_with(monkeypatch, [0.1, 0.2, 0.3, 0.4, 0.5], steps=100, max_steps=250)
     assert trainer.calls == [100, 50] and trainer.steps_done == 250
     assert len(warned) == 1 and "demo_exact_match" in warned[0] and "sft.max_steps (now 250)" in warned[0]
 
 
 def test_a_round_that_gains_nothing_stops_it(monkeypatch):
     # Demonstrations random by design (a scripted player's coin flips) plateau below any threshold.
-    trainer, rounds, warned = rounds_with(monkeypatch, [0.4, 0.41], steps=100)
+    trainer, _, warned = rounds_with(monkeypatch, [0.4, 0.41], steps=100)
     assert trainer.calls == [100] and "gained less than" in warned[0]
 
 
