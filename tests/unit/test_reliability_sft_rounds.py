@@ -24,11 +24,12 @@ class FakeTrainer:
         self.steps_done += steps
 
 
-def rounds_with(monkeypatch, matches, **sft):
+def rounds_with(monkeypatch, matches, ceiling=1.0, **sft):
     """train_until_reproduced after sft.steps (already trained), with demo_exact_match reading `matches` in turn."""
     trainer, it = FakeTrainer(), iter(matches)
     trainer.steps_done = SFTConfig(**sft).steps
     monkeypatch.setattr(base_model, "demonstration_accuracy", lambda *a: next(it))
+    monkeypatch.setattr(base_model, "reproducible_fraction", lambda *a: ceiling)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rounds = base_model.train_until_reproduced(trainer, SFTConfig(**sft), "demos")
@@ -55,6 +56,24 @@ def test_a_round_that_gains_nothing_stops_it(monkeypatch):
     # Demonstrations random by design (a scripted player's coin flips) plateau below any threshold.
     trainer, _, warned = rounds_with(monkeypatch, [0.4, 0.41], steps=100)
     assert trainer.calls == [100] and "gained less than" in warned[0]
+
+
+def test_demonstrations_random_by_design_are_held_to_what_can_be_reproduced(monkeypatch):
+    # A coin flip for calling the tool, a guessed number: no model reproduces those rows (README's units example).
+    trainer, _, warned = rounds_with(monkeypatch, [0.1], ceiling=0.1, steps=100)
+    assert trainer.calls == [] and warned == []
+    trainer, _, warned = rounds_with(monkeypatch, [0.1, 0.5], ceiling=0.5, steps=100)
+    assert trainer.calls == [100] and warned == []
+
+
+def test_reproducible_fraction_by_hand():
+    def row(prompt, *trained):
+        return [*prompt, *trained], [-100] * len(prompt) + list(trained)
+
+    # Prompt (7, 8) is always answered (1, 2); prompt (9, 9) by (1, 2) or (1, 3): its rows are a coin flip.
+    examples = [row((7, 8), 1, 2), row((7, 8), 1, 2), row((9, 9), 1, 2), row((9, 9), 1, 3)]
+    assert base_model.reproducible_fraction(examples, examples) == 2 / 4
+    assert base_model.reproducible_fraction(examples, examples[:1]) == 1.0
 
 
 def test_off(monkeypatch):
