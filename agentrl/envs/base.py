@@ -20,8 +20,11 @@ not earn.
 
 Optional, for environments that render through the tokenizer (ToolEnv in chat format): a method
 `bind_tokenizer(tokenizer)` the engine calls before `reset`; `keep_special_tokens = True` to get each turn's
-text with its special tokens (the sampled turn-end marker); `eos_ends_episode = False` when EOS only ends a turn; `step_timeout` (seconds, 0: none) when its `reset` or `step`
-may rightly take longer than the rollout's 300 s deadline (rollout/engine.STEP_TIMEOUT; env.step_timeout in jobs).
+text with its special tokens (the sampled turn-end marker); `eos_ends_episode = False` when EOS only ends a turn.
+
+Optional for any environment: `step_timeout` (seconds, 0: none) when its `reset` or `step` may rightly take
+longer than the rollout's deadline (300 s, rollout/engine.STEP_TIMEOUT; env.step_timeout in jobs). A call past it
+is abandoned on its thread and the episode ends as an infrastructure failure (env/timeout_rate).
 
 Tasks come from a function next to the environment, `my_tasks(n: int, seed: int, split: str, **kw) -> list[dict]`
 (split "train" or "eval"; a task's "question" key, when it has one, identifies it for the held-out split; `kw`
