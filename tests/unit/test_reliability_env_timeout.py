@@ -116,3 +116,17 @@ def test_sigterm_while_a_step_hangs_exits():
         assert proc.wait(timeout=30) == 128 + 15
     finally:
         proc.kill()
+
+
+def test_the_config_key_sets_the_deadline_and_is_checked():
+    import pytest
+
+    from agentrl.config import ConfigError, load_config
+    from agentrl.jobs.common import environment_factory
+    from agentrl.jobs.ppo import JobConfig
+
+    config = load_config(JobConfig, overrides=["env.step_timeout=2.5"])
+    assert environment_factory(config.env)().step_timeout == 2.5
+    assert not hasattr(environment_factory(load_config(JobConfig).env)(), "step_timeout")  # None: the env's own
+    with pytest.raises(ConfigError, match="env.step_timeout: must be >= 0"):
+        load_config(JobConfig, overrides=["env.step_timeout=-1"])
