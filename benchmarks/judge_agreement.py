@@ -59,6 +59,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--base-url", default=None)
     p.add_argument("--reference", default="answer", help="task key of the reference ('' for none)")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="tokens of one verdict")
     p.add_argument("--out", default="runs/judge-agreement")
     args = p.parse_args()
     from transformers import AutoTokenizer
@@ -82,9 +83,10 @@ def main() -> None:
     rows = []
     for mode in args.modes:
         section = JudgeSection(mode=mode, model=args.model, base_url=args.base_url, reference_key=args.reference or None,
-                               max_new_tokens=8, concurrency=2, timeout=300)
+                               max_new_tokens=args.max_new_tokens, concurrency=2, timeout=300)
         where = "server" if args.base_url else "local"
         scorer = JudgeScorer(section, tokenizer, out / f"cache-{where}-{mode}-{args.reference or 'noref'}.jsonl")
+        row_extra = {"max_new_tokens": args.max_new_tokens}
         eps = [Episode(**{**ep.__dict__, "info": {}, "turn_rewards": [0.0]}) for ep in episodes]
         started = time.time()
         scorer(eps)
@@ -93,7 +95,7 @@ def main() -> None:
         agree = sum(j == t for j, t, _ in judged)
         by_kind = {kd: round(sum(j == t for j, t, k2 in judged if k2 == kd) / max(sum(k2 == kd for *_, k2 in judged), 1),
                              3) for kd in ("right", "guess", "wrong_tool")}
-        row = {"backend": where, "mode": mode, "reference": bool(args.reference), "n": len(eps),
+        row = {"backend": where, "mode": mode, "reference": bool(args.reference), "n": len(eps), **row_extra,
                "masked": sum(ep.infra_failure for ep in eps),
                "agreement": round(agree / max(len(judged), 1), 3),
                "says_right_rate": round(sum(j for j, *_ in judged) / max(len(judged), 1), 3),
