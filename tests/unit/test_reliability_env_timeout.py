@@ -13,20 +13,9 @@ from agentrl.rollout import SamplingParams, rollout
 from agentrl.rollout.engine import episode_metrics
 from agentrl.rollout.sampling import Sample
 from agentrl.trainers.common import check_batch, episodes_to_batch
+from fake_tokenizer import FakeTokenizer
 
 FOREVER = threading.Event()  # never set: a call waiting on it hangs
-
-
-class FakeTokenizer:
-    """One token per character; enough for the rollout engine to run without a model."""
-
-    eos_token_id, pad_token_id, bos_token, eos_token = 0, 0, None, None
-
-    def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": [ord(c) for c in text]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
 
 
 def writes(text):

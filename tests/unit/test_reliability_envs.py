@@ -11,18 +11,7 @@ from agentrl.envs.base import StepResult, make_env
 from agentrl.errors import EnvironmentContractError, SignalExit, UserError
 from agentrl.rollout import SamplingParams, rollout
 from agentrl.rollout.sampling import Sample
-
-
-class FakeTokenizer:
-    """One token per character; enough for the rollout engine to run without a model."""
-
-    eos_token_id, pad_token_id, bos_token, eos_token = 0, 0, None, None
-
-    def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": [ord(c) for c in text]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
+from fake_tokenizer import FakeTokenizer
 
 
 def writes_answer(contexts, params, eos, pad, **kwargs):

@@ -7,16 +7,7 @@ from agentrl.envs.base import StepResult
 from agentrl.rollout import SamplingParams, rollout
 from agentrl.rollout.sampling import Sample
 from agentrl.rollout.vllm_backend import _cut, turn_limits
-
-
-class FakeTokenizer:
-    eos_token_id, pad_token_id, bos_token, eos_token = 0, 0, None, None
-
-    def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": [ord(c) for c in text]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
+from fake_tokenizer import FakeTokenizer
 
 
 class Chatty:
