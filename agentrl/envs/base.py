@@ -151,20 +151,20 @@ class EnvTimeout(Exception):
     """env.reset / env.step ran past its deadline (env.step_timeout); its thread is abandoned, still running."""
 
 
-_ENV_THREADS = None  # tools._ToolThreads for env calls, made at the first call with a deadline
+_ENV_THREADS = None  # envs/threads.CallThreads for env calls, made at the first call with a deadline
 
 
 def _within(timeout: float | None, fn: Callable, *args) -> Any:
-    """fn(*args), or with a deadline (seconds; None or 0: none) on a reused daemon thread (tools._ToolThreads):
+    """fn(*args), or with a deadline (seconds; None or 0: none) on a reused daemon thread (envs/threads.CallThreads):
     EnvTimeout when it overruns, leaving the call running on a thread that never keeps the process alive (a
     Python thread cannot be stopped). What fn raises (sys.exit included) is raised here, in the caller's thread."""
     global _ENV_THREADS
     if not timeout:
         return fn(*args)
     if _ENV_THREADS is None:
-        from agentrl.envs.tools import _ToolThreads
+        from agentrl.envs.threads import CallThreads
 
-        _ENV_THREADS = _ToolThreads("env", "an environment whose step or reset hangs needs fixing (a deadline inside "
+        _ENV_THREADS = CallThreads("env", "an environment whose step or reset hangs needs fixing (a deadline inside "
                                            "it), or lower env.step_timeout")
     status, value = _ENV_THREADS.run(lambda: fn(*args), {}, timeout)
     if status == "timeout":

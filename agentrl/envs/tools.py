@@ -25,18 +25,17 @@ import functools
 import json
 import math
 import os
-import queue
 import random
 import re
 import select
 import signal
 import string
 import sys
-import threading
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from agentrl.envs.threads import CallThreads
 
 _JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list,
                "object": dict, "null": type(None)}
@@ -231,57 +230,7 @@ def validate_arguments(schema: dict, arguments: dict) -> str | None:
     return None
 
 
-class _ToolThreads:
-    """Daemon threads that run tool calls, one call per thread at a time, reused once a call returns.
-
-    Python cannot kill a thread, so a call that overruns its timeout keeps its thread and is abandoned: the
-    next call takes another idle thread or starts a new one, and hung calls never starve later ones (a fixed
-    pool would, once every worker hangs). Daemon threads, unlike concurrent.futures' workers (joined at
-    exit), never keep the process alive after the run ends or on SIGTERM/SIGINT, whatever a tool is doing.
-    """
-
-    # Far more threads than calls ever run at once (engine.STEP_WORKERS steps at a time): most hold hung calls.
-    WARN_AT = 256
-
-    def __init__(self, what: str = "tool", advice: str = "for a tool that hangs, ToolEnv(isolation='process') kills "
-                                                             "each call at its deadline"):
-        self._idle: list[queue.SimpleQueue] = []  # inboxes of threads waiting for a call
-        self._lock = threading.Lock()
-        self._started = 0
-        self._what, self._advice = what, advice
-
-    def run(self, fn: Callable, kwargs: dict, timeout: float | None) -> tuple[str, Any]:
-        """("ok", result), ("raised", exception) or ("timeout", None)."""
-        outbox: queue.SimpleQueue = queue.SimpleQueue()
-        with self._lock:
-            inbox = self._idle.pop() if self._idle else None
-            started = self._started = self._started + (inbox is None)
-        if inbox is None:
-            inbox = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(inbox,), name=f"agentrl-{self._what}", daemon=True).start()
-            if started == self.WARN_AT:
-                warnings.warn(f"{self.WARN_AT} {self._what} threads started: calls that overran their timeout are "
-                              f"still running (a Python thread cannot be stopped); {self._advice}", stacklevel=3)
-        inbox.put((fn, kwargs, outbox))
-        try:
-            return outbox.get(timeout=timeout)
-        except queue.Empty:
-            return "timeout", None
-
-    def _serve(self, inbox: queue.SimpleQueue) -> None:
-        while True:
-            fn, kwargs, outbox = inbox.get()
-            try:
-                outcome = ("ok", fn(**kwargs))
-            except BaseException as e:  # noqa: BLE001 - SystemExit/KeyboardInterrupt too: a failed call
-                outcome = ("raised", e)
-            outbox.put(outcome)  # after a timeout nobody reads it; the thread is free again all the same
-            del fn, kwargs, outbox, outcome  # an idle thread keeps no result (or traceback) alive
-            with self._lock:
-                self._idle.append(inbox)
-
-
-_THREADS = _ToolThreads()  # shared: environments are created per episode
+_THREADS = CallThreads()  # shared: environments are created per episode
 
 
 def _run_forked(observe: Callable[[str, Any], tuple[str, bool]], fn: Callable, kwargs: dict,
@@ -299,7 +248,7 @@ def _run_forked(observe: Callable[[str, Any], tuple[str, bool]], fn: Callable, k
                 signal.signal(sig, signal.SIG_DFL)
             try:
                 outcome = observe("ok", fn(**kwargs))
-            except BaseException as e:  # noqa: BLE001 - see _ToolThreads._serve
+            except BaseException as e:  # noqa: BLE001 - see CallThreads._serve
                 outcome = observe("raised", e)
             os.write(write_end, json.dumps(outcome).encode())
             sys.stdout.flush(), sys.stderr.flush()
@@ -339,7 +288,7 @@ class ToolRunner:
     """Dispatches validated calls to the functions with a per-call timeout and an observation size limit.
 
     isolation "thread" (default): calls run on daemon threads of this process; a call that overruns is
-    abandoned (see _ToolThreads), but a tool that calls os._exit or crashes the interpreter ends the run: no
+    abandoned (see envs/threads.CallThreads), but a tool that calls os._exit or crashes the interpreter ends the run: no
     Python hook sees either (patching os._exit would still miss posix._exit, `from os import _exit` and crashes).
     "process": each call runs in a forked child that is killed at the deadline, so nothing a tool does (os._exit,
     a segfault, a hang holding a lock) reaches the run; it costs a fork per call (milliseconds on a large

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from agentrl.envs.threads import CallThreads
 from agentrl.envs.tools import ToolCall, ToolEnv, ToolRunner
 
 RELEASE = threading.Event()  # set at the end of the module, so the hung tools' threads end
@@ -176,9 +177,8 @@ def test_process_isolation_survives_os_exit_hangs_and_exceptions():
 
 
 def test_many_hung_calls_warn_and_name_the_remedy(monkeypatch):
-    from agentrl.envs import tools
 
-    threads = tools._ToolThreads()
+    threads = CallThreads()
     monkeypatch.setattr(threads, "WARN_AT", 3)
     with pytest.warns(UserWarning, match=r"3 tool threads started: .*isolation='process'"):
         for _ in range(3):
