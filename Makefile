@@ -38,7 +38,8 @@ demo-search: $(STAMP)
 	.venv/bin/agentrl report runs/search
 
 # A real pretrained model (SmolLM2-135M-Instruct from its wheel): SFT, then PPO from the SFT model, the
-# commands a user types (configs/real.yaml). About half an hour on a 2-core CPU.
+# commands a user types (configs/real.yaml). About 35 minutes on a 2-core CPU with AVX512-BF16; in float32
+# (an AVX2-only CPU) the SFT job alone takes ~23 minutes (docs/real-model.md).
 demo-real: $(STAMP)
 	.venv/bin/agentrl sft --config real out_dir=runs/real-sft
 	.venv/bin/agentrl ppo --config real model.base=runs/real-sft/model out_dir=runs/real-ppo
