@@ -13,9 +13,6 @@ import warnings
 
 import torch
 
-CHOICES = ("no", "fp16", "bf16", "auto")
-
-
 @functools.cache
 def native_bf16(device_type: str) -> bool:
     """True where bf16 matrix products run on the hardware's own bf16 units."""
