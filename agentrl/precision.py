@@ -13,6 +13,7 @@ import warnings
 
 import torch
 
+
 @functools.cache
 def native_bf16(device_type: str) -> bool:
     """True where bf16 matrix products run on the hardware's own bf16 units."""
