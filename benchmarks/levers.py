@@ -100,10 +100,6 @@ def main() -> None:
         common._output_head = lambda *a, **k: None
     if args.no_bucketing and hasattr(common, "BUCKET_MIN_SAVING"):
         common.BUCKET_MIN_SAVING = 1.0
-    if args.no_kv_reuse:
-        import agentrl.rollout.engine as engine
-
-        engine.REUSE_KV = False
     if args.no_shared_prefix and hasattr(common, "shared_prefix_logprobs"):
         common.shared_prefix_logprobs = lambda *a, **k: None
     model_dir = Path(args.model_dir + (f"-v{args.vocab}" if args.vocab else ""))
@@ -148,7 +144,7 @@ def main() -> None:
         cfg = GRPOConfig(tasks_per_step=8, num_generations=8, mini_batch_size=64, beta=0.0, learning_rate=1e-4,
                          mixed_precision="bf16" if args.bf16 else "no", **overrides)
         trainer = GRPOTrainer(cfg, lora_model(model_dir), tok)
-        sampling = SamplingParams(max_new_tokens=32)
+        sampling = SamplingParams(max_new_tokens=32, reuse_kv=not args.no_kv_reuse)
         single_turn = lambda: CalculatorEnv(max_turns=1)  # noqa: E731
         history = []
         for step in range(args.steps + 1):
@@ -166,7 +162,8 @@ def main() -> None:
         trainer = PPOTrainer(cfg, lora_model(model_dir), None, tok)
         for step in range(args.steps + 1):
             clock.start()
-            stats = trainer.train(CalculatorEnv, tasks, steps=1, sampling=SamplingParams(max_new_tokens=48),
+            sampling = SamplingParams(max_new_tokens=48, reuse_kv=not args.no_kv_reuse)
+            stats = trainer.train(CalculatorEnv, tasks, steps=1, sampling=sampling,
                                   progress=False)[-1]
             clock.stop(keep=step > 0)
         extra = {"update_s": stats["time/ppo/total"], "rollout_s": stats["time/rollout"],
@@ -177,7 +174,8 @@ def main() -> None:
         model = lora_model(model_dir).eval()
         for step in range(args.steps + 1):
             clock.start()
-            episodes = rollout(model, tok, CalculatorEnv, tasks[step * 64:(step + 1) * 64], SamplingParams(max_new_tokens=48),
+            sampling = SamplingParams(max_new_tokens=48, reuse_kv=not args.no_kv_reuse)
+            episodes = rollout(model, tok, CalculatorEnv, tasks[step * 64:(step + 1) * 64], sampling,
                                generator=torch.Generator().manual_seed(step))
             clock.stop(keep=step > 0)
         extra = {"mean_turns": sum(ep.num_turns for ep in episodes) / len(episodes),

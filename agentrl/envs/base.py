@@ -18,13 +18,18 @@ says so with `info["infra_failure"] = True` in any step's StepResult: the traine
 of the group baselines and count it (env/infra_failure_rate), instead of teaching the policy from a 0 it did
 not earn.
 
-Optional, for environments that render through the tokenizer (ToolEnv in chat format): a method
-`bind_tokenizer(tokenizer)` the engine calls before `reset`; `keep_special_tokens = True` to get each turn's
-text with its special tokens (the sampled turn-end marker); `eos_ends_episode = False` when EOS only ends a turn.
-
-Optional for any environment: `step_timeout` (seconds, 0: none) when its `reset` or `step` may rightly take
-longer than the rollout's deadline (300 s, rollout/engine.STEP_TIMEOUT; env.step_timeout in jobs). A call past it
-is abandoned on its thread and the episode ends as an infrastructure failure (env/timeout_rate).
+Optional members (OPTIONAL_MEMBERS below holds what an environment without one gets; the engine reads them
+through `env_option` and nothing else):
+- `bind_tokenizer(tokenizer)`: a method the engine calls before `reset`, for environments that render through
+  the tokenizer (ToolEnv in chat format);
+- `keep_special_tokens = True`: each turn's text with its special tokens (the sampled turn-end marker);
+- `eos_ends_episode = False`: EOS only ends a turn (chat templates whose end-of-turn token is the EOS);
+- `step_timeout` (seconds, 0 or None: none): when `reset` or `step` may rightly take longer than the rollout's
+  deadline (300 s, STEP_TIMEOUT; env.step_timeout in jobs). A call past it is abandoned on its thread and the
+  episode ends as an infrastructure failure (env/timeout_rate);
+- `concurrent_steps = True`: the batch's `step` calls may run at once on threads (tools waiting on I/O);
+- `messages`, `schemas`, `chat_template_kwargs`: chat environments' conversation so far, tool schemas and extra
+  template arguments, kept with each episode so preference and SFT rows can be written as messages.
 
 Tasks come from a function next to the environment, `my_tasks(n: int, seed: int, split: str, **kw) -> list[dict]`
 (split "train" or "eval"; a task's "question" key, when it has one, identifies it for the held-out split; `kw`
@@ -74,6 +79,27 @@ class Environment(Protocol):
     def reset(self, task: dict) -> str: ...
 
     def step(self, action: str) -> StepResult: ...
+
+
+# Seconds an environment's reset or step may run before its episode ends as an infrastructure failure (the call
+# abandoned on its daemon thread), unless the environment says otherwise (its `step_timeout`).
+STEP_TIMEOUT = 300.0
+
+OPTIONAL_MEMBERS: dict[str, Any] = {  # name: what an environment without it gets (the module docstring says why)
+    "bind_tokenizer": None,
+    "keep_special_tokens": False,
+    "eos_ends_episode": True,
+    "step_timeout": STEP_TIMEOUT,
+    "concurrent_steps": False,
+    "messages": None,
+    "schemas": None,
+    "chat_template_kwargs": None,
+}
+
+
+def env_option(env, name: str) -> Any:
+    """One of the protocol's optional members (OPTIONAL_MEMBERS) of `env`, or its default."""
+    return getattr(env, name, OPTIONAL_MEMBERS[name])
 
 
 @dataclass

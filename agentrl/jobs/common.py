@@ -53,7 +53,7 @@ class EnvSection:
     eval_tasks: int = 200  # held-out tasks (split "eval"), never seen in SFT or PPO
     step_timeout: float | None = None  # seconds env.reset / env.step may run before the episode ends as an
     # infrastructure failure (left out of the loss, counted as env/timeout_rate); None: the environment's own
-    # `step_timeout` attribute, else 300 (rollout/engine.STEP_TIMEOUT); 0: no deadline
+    # `step_timeout` attribute, else 300 (envs/base.STEP_TIMEOUT); 0: no deadline
 
 
 @dataclass

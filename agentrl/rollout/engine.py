@@ -17,19 +17,12 @@ from typing import Callable
 
 import torch
 
-from agentrl.envs.base import (INFRA_FAILURE, Environment, EnvTimeout, StepResult, check_attributes, checked_reset,
-                               checked_step)
+from agentrl.envs.base import (INFRA_FAILURE, Environment, EnvTimeout, StepResult, check_attributes,
+                               checked_reset, checked_step, env_option)
 from agentrl.errors import UserError
 from agentrl.rollout.sampling import KVState, Sample, SamplingParams, sample_batch
 
 STEP_WORKERS = 16  # threads stepping environments that allow it (concurrent_steps)
-# Seconds an environment's reset or step may run before its episode ends as an infrastructure failure (the call
-# abandoned on its daemon thread): an environment's own `step_timeout` attribute, which env.step_timeout sets in
-# jobs, else this; 0 or None: no deadline (the call runs on the rollout's thread).
-STEP_TIMEOUT = 300.0
-# Later turns run only their new tokens on the KV cache of the earlier ones (sample_batch(kv=...)) instead of
-# re-prefilling prompt and history; False re-prefills (the same numbers up to float rounding).
-REUSE_KV = True
 
 
 @dataclass
@@ -108,36 +101,20 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
                    sampler=None) -> list[Episode]:
     envs = [env_factory() for _ in tasks]
     for env in envs:
-        if hasattr(env, "bind_tokenizer"):  # environments that render through the tokenizer (chat format)
+        if env_option(env, "bind_tokenizer") is not None:
             env.bind_tokenizer(tokenizer)
-    if envs:  # a factory of the user's own may not go through make_env, which checks this too
-        check_attributes(envs[0])
-    eos_ends = getattr(envs[0], "eos_ends_episode", True) if envs else True
+    if not envs:
+        return []
+    check_attributes(envs[0])  # a factory of the user's own may not go through make_env, which checks this too
+    eos_ends = env_option(envs[0], "eos_ends_episode")
     # Chat environments must see the turn-end marker they sampled (a special token) to append the next
     # segment exactly after it; every other environment gets plain text.
-    skip_special = not getattr(envs[0], "keep_special_tokens", False) if envs else True
+    skip_special = not env_option(envs[0], "keep_special_tokens")
     limit = context_limit(model, params)
-    timeout = getattr(envs[0], "step_timeout", STEP_TIMEOUT) if envs else None
-    episodes = []
-    for k, (env, task) in enumerate(zip(envs, tasks)):
-        try:
-            prompt = checked_reset(env, task, timeout)
-        except EnvTimeout as e:  # no prompt: an episode of no turns, left out of the loss
-            episodes.append(_timed_out(Episode(task=task, prompt_ids=encode_prompt(tokenizer, "") or
-                                               [tokenizer.eos_token_id], done=True), env, "reset", e))
-            continue
-        if limit is not None and len(prompt) > _MAX_CHARS_PER_TOKEN * limit:  # not worth tokenizing
-            raise ContextError(f"task {k} ({str(task.get('question', task))[:60]!r}): its prompt is {len(prompt)} "
-                               f"characters, far over the {limit} tokens an episode may hold (rollout.max_context)")
-        episodes.append(Episode(task=task, prompt_ids=encode_prompt(tokenizer, prompt),
-                                values=[] if value_head is not None else None))
-        if limit is not None and len(episodes[-1].prompt_ids) >= limit:
-            raise ContextError(f"task {k} ({str(task.get('question', task))[:60]!r}): its prompt is "
-                               f"{len(episodes[-1].prompt_ids)} tokens, and an episode may hold {limit} "
-                               f"(rollout.max_context; default: the model's max_position_embeddings)")
-    max_turns = envs[0].max_turns if envs else 0
-    stop_patterns = tuple(envs[0].stop_patterns) if envs else ()
-    kv, cached, previous = (KVState() if REUSE_KV and sampler is None else None), [0] * len(episodes), []
+    timeout = env_option(envs[0], "step_timeout")
+    episodes = _start_episodes(envs, tasks, tokenizer, limit, timeout, value_head is not None)
+    max_turns, stop_patterns = envs[0].max_turns, tuple(envs[0].stop_patterns)
+    kv, cached, previous = (KVState() if params.reuse_kv and sampler is None else None), [0] * len(episodes), []
     for turn in range(max_turns):
         live = [i for i, ep in enumerate(episodes) if not ep.done]
         rooms = None
@@ -167,41 +144,76 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
         actions = [tokenizer.decode(sample.ids, skip_special_tokens=skip_special) for sample in samples]
         results = _step_all([envs[i] for i in live], actions, timeout)
         for i, sample, result in zip(live, samples, results):
-            ep = episodes[i]
-            ep.token_ids += sample.ids
-            ep.loss_mask += [1] * len(sample.ids)
-            ep.logprobs += sample.logprobs
-            if ep.values is not None:
-                ep.values += sample.values
-            ep.turn_ends.append(len(ep.token_ids) - 1)
-            cached[i] = len(ep.prompt_ids) + len(ep.token_ids) - 1  # all but the last sampled token are in kv
-            ep.truncated |= sample.finish == "length"
-            ep.turn_rewards.append(float(result.reward))
-            ep.state_keys.append(result.info.get("state_key"))
-            # The last step's info, but a failure outside the policy, once reported, stays with the episode.
-            ep.info = {**result.info, INFRA_FAILURE: True} if ep.info.get(INFRA_FAILURE) else result.info
-            # EOS ends the episode, whatever the environment would allow, unless the environment says its
-            # turns end with that token (chat templates whose end-of-turn token is the EOS).
-            ep.done = result.done or (sample.finish == "eos" and eos_ends) or turn == max_turns - 1
-            if result.info.get("env_timeout"):
-                _timed_out(ep, envs[i], "step", result.info["env_timeout"])
-            if sample.finish == "context":
-                _cut(ep)
-            if not ep.done and result.observation:
-                obs_ids = _observation_ids(tokenizer, result.observation, ep, limit, params.max_observation_tokens)
-                if obs_ids is None:  # over its budget: the episode ends here, marked, instead of overflowing
-                    _cut(ep)
-                else:
-                    ep.token_ids += obs_ids
-                    ep.loss_mask += [0] * len(obs_ids)
-                    ep.logprobs += [0.0] * len(obs_ids)
-                    if ep.values is not None:
-                        ep.values += [0.0] * len(obs_ids)
+            _record_turn(episodes[i], envs[i], sample, result, eos_ends and sample.finish == "eos",
+                         turn == max_turns - 1)
+            cached[i] = len(episodes[i].prompt_ids) + len(episodes[i].token_ids) - 1  # all but the last sampled
+            # token are in kv
+            if not episodes[i].done and result.observation:
+                _append_observation(episodes[i], tokenizer, result.observation, limit, params.max_observation_tokens)
     for ep, env in zip(episodes, envs):  # so preference rows can be written as messages, not template text
-        if getattr(env, "messages", None) is not None:
-            ep.messages, ep.tools = list(env.messages), getattr(env, "schemas", None)
-            ep.chat_template_kwargs = getattr(env, "chat_template_kwargs", None) or None
+        if env_option(env, "messages") is not None:
+            ep.messages, ep.tools = list(env.messages), env_option(env, "schemas")
+            ep.chat_template_kwargs = env_option(env, "chat_template_kwargs") or None
     return episodes
+
+
+def _start_episodes(envs: list, tasks: list[dict], tokenizer, limit: int | None, timeout: float | None,
+                    with_values: bool) -> list[Episode]:
+    """One episode per task from env.reset(task): its prompt ids, checked against the context budget."""
+    episodes = []
+    for k, (env, task) in enumerate(zip(envs, tasks)):
+        try:
+            prompt = checked_reset(env, task, timeout)
+        except EnvTimeout as e:  # no prompt: an episode of no turns, left out of the loss
+            episodes.append(_timed_out(Episode(task=task, prompt_ids=encode_prompt(tokenizer, "") or
+                                               [tokenizer.eos_token_id], done=True), env, "reset", e))
+            continue
+        if limit is not None and len(prompt) > _MAX_CHARS_PER_TOKEN * limit:  # not worth tokenizing
+            raise ContextError(f"task {k} ({str(task.get('question', task))[:60]!r}): its prompt is {len(prompt)} "
+                               f"characters, far over the {limit} tokens an episode may hold (rollout.max_context)")
+        episodes.append(Episode(task=task, prompt_ids=encode_prompt(tokenizer, prompt),
+                                values=[] if with_values else None))
+        if limit is not None and len(episodes[-1].prompt_ids) >= limit:
+            raise ContextError(f"task {k} ({str(task.get('question', task))[:60]!r}): its prompt is "
+                               f"{len(episodes[-1].prompt_ids)} tokens, and an episode may hold {limit} "
+                               f"(rollout.max_context; default: the model's max_position_embeddings)")
+    return episodes
+
+
+def _record_turn(ep: Episode, env, sample: Sample, result: StepResult, eos_ended: bool, last_turn: bool) -> None:
+    """Append one sampled turn and the environment's answer to it (reward, info, done) to `ep`."""
+    ep.token_ids += sample.ids
+    ep.loss_mask += [1] * len(sample.ids)
+    ep.logprobs += sample.logprobs
+    if ep.values is not None:
+        ep.values += sample.values
+    ep.turn_ends.append(len(ep.token_ids) - 1)
+    ep.truncated |= sample.finish == "length"
+    ep.turn_rewards.append(float(result.reward))
+    ep.state_keys.append(result.info.get("state_key"))
+    # The last step's info, but a failure outside the policy, once reported, stays with the episode.
+    ep.info = {**result.info, INFRA_FAILURE: True} if ep.info.get(INFRA_FAILURE) else result.info
+    # EOS ends the episode, whatever the environment would allow, unless the environment says its turns end
+    # with that token (eos_ends_episode False: chat templates whose end-of-turn token is the EOS).
+    ep.done = result.done or eos_ended or last_turn
+    if result.info.get("env_timeout"):
+        _timed_out(ep, env, "step", result.info["env_timeout"])
+    if sample.finish == "context":
+        _cut(ep)
+
+
+def _append_observation(ep: Episode, tokenizer, text: str, limit: int | None, max_tokens: int | None) -> None:
+    """Append an observation's ids (masked out of the loss), or end the episode, marked, when it is over its
+    budget instead of overflowing."""
+    obs_ids = _observation_ids(tokenizer, text, ep, limit, max_tokens)
+    if obs_ids is None:
+        _cut(ep)
+        return
+    ep.token_ids += obs_ids
+    ep.loss_mask += [0] * len(obs_ids)
+    ep.logprobs += [0.0] * len(obs_ids)
+    if ep.values is not None:
+        ep.values += [0.0] * len(obs_ids)
 
 
 class ContextError(UserError):
@@ -248,7 +260,7 @@ def _step_all(envs: list, actions: list[str], timeout: float | None = None) -> l
         except EnvTimeout as e:
             return StepResult(None, 0.0, True, {"env_timeout": e})
 
-    if len(envs) > 1 and getattr(envs[0], "concurrent_steps", False):
+    if len(envs) > 1 and env_option(envs[0], "concurrent_steps"):
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(STEP_WORKERS, len(envs))) as pool:
             return list(pool.map(step, envs, actions))
     return [step(env, action) for env, action in zip(envs, actions)]

@@ -29,6 +29,10 @@ class SamplingParams:
     # model's max_position_embeddings), and tokens one observation may add (None: what the context has left).
     max_context: int | None = None
     max_observation_tokens: int | None = None
+    # Later turns run only their new tokens on the KV cache of the earlier ones (sample_batch(kv=...)) instead of
+    # re-prefilling prompt and history; False re-prefills (the same numbers up to float rounding; a benchmark's
+    # switch, benchmarks/levers.py --no-kv-reuse).
+    reuse_kv: bool = True
 
 
 @dataclass

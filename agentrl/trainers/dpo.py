@@ -257,38 +257,7 @@ class DPOTrainer:
         while self.current_step < total:
             skipped = 0
             for _ in range(accum):
-                # Every rank holds every pair and the same order (same seed); each takes its slice of a draw.
-                if len(self.order) < size * world:
-                    fresh = list(range(len(self.examples)))
-                    self.rng.shuffle(fresh)
-                    self.order += fresh
-                with self.accelerator.split_between_processes(self.order[:size * world]) as mine:
-                    batch = [self.examples[i] for i in mine]
-                del self.order[:size * world]
-                with self.accelerator.accumulate(self.model):
-                    # The reference at the policy's precision (bf16: half the cost, and the two agree exactly
-                    # where the weights do, so the implicit rewards start at 0).
-                    with self.accelerator.autocast():
-                        ref_c, ref_r = self.reference_logps(batch)
-                        pol_c, pol_r = self.sequence_logps(self.model, batch)
-                    losses, rc, rr = dpo_loss(pol_c, pol_r, ref_c, ref_r, cfg.beta, cfg.loss_type, cfg.label_smoothing)
-                    loss = losses.mean()
-                    if cfg.rpo_alpha:
-                        # Per-token NLL of the chosen completions (their summed logprob over their token count).
-                        counts = torch.tensor([max(1, sum(ex.chosen_mask)) for ex in batch], device=pol_c.device)
-                        nll = (-pol_c / counts).mean()
-                        loss = loss + cfg.rpo_alpha * nll
-                        acc["nll/chosen"].append(nll.item())
-                    skipped += guarded_step(self.accelerator, self.model, self.optimizer, loss,
-                                            cfg.max_grad_norm or None)
-                    self.optimizer.zero_grad(set_to_none=True)
-                acc["loss"].append(loss.item())
-                acc["rewards/chosen"].append(rc.mean().item())
-                acc["rewards/rejected"].append(rr.mean().item())
-                acc["rewards/accuracies"].append((rc > rr).float().mean().item())
-                acc["rewards/margins"].append((rc - rr).mean().item())
-                acc["logps/chosen"].append(pol_c.detach().mean().item())
-                acc["logps/rejected"].append(pol_r.detach().mean().item())
+                skipped += self._micro_step(self._draw(size * world), acc)
             acc["train/skipped_nonfinite"].append(float(skipped))
             scheduler.step()
             self.current_step += 1
@@ -313,6 +282,47 @@ class DPOTrainer:
         if bar is not None:
             bar.close()
         return self.history
+
+    def _draw(self, count: int) -> list:
+        """This rank's slice of the next `count` pairs of the shuffled order (a new epoch's shuffle appended when
+        too few are left). Every rank holds every pair and the same order (same seed)."""
+        if len(self.order) < count:
+            fresh = list(range(len(self.examples)))
+            self.rng.shuffle(fresh)
+            self.order += fresh
+        with self.accelerator.split_between_processes(self.order[:count]) as mine:
+            batch = [self.examples[i] for i in mine]
+        del self.order[:count]
+        return batch
+
+    def _micro_step(self, batch: list, acc: dict) -> int:
+        """The DPO loss of one micro-batch, its backward (and the optimizer step where accumulation ends), its
+        statistics appended to `acc`. Returns the non-finite events guarded_step met (0-2)."""
+        cfg = self.config
+        with self.accelerator.accumulate(self.model):
+            # The reference at the policy's precision (bf16: half the cost, and the two agree exactly where the
+            # weights do, so the implicit rewards start at 0).
+            with self.accelerator.autocast():
+                ref_c, ref_r = self.reference_logps(batch)
+                pol_c, pol_r = self.sequence_logps(self.model, batch)
+            losses, rc, rr = dpo_loss(pol_c, pol_r, ref_c, ref_r, cfg.beta, cfg.loss_type, cfg.label_smoothing)
+            loss = losses.mean()
+            if cfg.rpo_alpha:
+                # Per-token NLL of the chosen completions (their summed logprob over their token count).
+                counts = torch.tensor([max(1, sum(ex.chosen_mask)) for ex in batch], device=pol_c.device)
+                nll = (-pol_c / counts).mean()
+                loss = loss + cfg.rpo_alpha * nll
+                acc["nll/chosen"].append(nll.item())
+            skipped = guarded_step(self.accelerator, self.model, self.optimizer, loss, cfg.max_grad_norm or None)
+            self.optimizer.zero_grad(set_to_none=True)
+        acc["loss"].append(loss.item())
+        acc["rewards/chosen"].append(rc.mean().item())
+        acc["rewards/rejected"].append(rr.mean().item())
+        acc["rewards/accuracies"].append((rc > rr).float().mean().item())
+        acc["rewards/margins"].append((rc - rr).mean().item())
+        acc["logps/chosen"].append(pol_c.detach().mean().item())
+        acc["logps/rejected"].append(pol_r.detach().mean().item())
+        return skipped
 
     # --- checkpoints (agentrl.checkpoint) ---------------------------------------------------------------
 

@@ -241,12 +241,9 @@ def test_multi_turn_rollout_on_the_kv_cache_keeps_exact_logprobs(tiny_base, monk
     sampler's logprobs are still those of one forward over the whole episode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import agentrl.rollout.engine as engine
     from agentrl.envs import CalculatorEnv, calculator_tasks
     from agentrl.rollout import SamplingParams, rollout
     from agentrl.trainers.common import episodes_to_batch
-
-    monkeypatch.setattr(engine, "REUSE_KV", reuse_kv)
 
     class ForcedCall(CalculatorEnv):  # a tool call in the first turn of every other episode
         def step(self, action):
@@ -257,7 +254,7 @@ def test_multi_turn_rollout_on_the_kv_cache_keeps_exact_logprobs(tiny_base, monk
     model = AutoModelForCausalLM.from_pretrained(tiny_base).eval()
     tok = AutoTokenizer.from_pretrained(tiny_base)
     episodes = rollout(model, tok, ForcedCall, calculator_tasks(8, seed=1, split="eval"),
-                       SamplingParams(max_new_tokens=10), generator=torch.Generator().manual_seed(0))
+                       SamplingParams(max_new_tokens=10, reuse_kv=reuse_kv), generator=torch.Generator().manual_seed(0))
     assert any(ep.num_turns > 1 for ep in episodes)
     batch = episodes_to_batch(episodes, tok.pad_token_id)
     recomputed = lm_logprobs(model, batch, 1.0)
