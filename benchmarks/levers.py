@@ -94,14 +94,10 @@ def main() -> None:
                         help="a vocabulary this large (151936: Qwen's) instead of the tokenizer's 322; its own model dir")
     parser.add_argument("--pairs", type=int, default=256, help="DPO pairs (16 a step: 32 puts step 3 in epoch 2)")
     args = parser.parse_args()
-    import agentrl.trainers.common as common
+    from agentrl.trainers.common import LogprobPaths
 
-    if args.full_logits and hasattr(common, "_output_head"):
-        common._output_head = lambda *a, **k: None
-    if args.no_bucketing and hasattr(common, "BUCKET_MIN_SAVING"):
-        common.BUCKET_MIN_SAVING = 1.0
-    if args.no_shared_prefix and hasattr(common, "shared_prefix_logprobs"):
-        common.shared_prefix_logprobs = lambda *a, **k: None
+    paths = LogprobPaths(response_only=not args.full_logits, shared_prefix=not args.no_shared_prefix,
+                         bucket_min_saving=2.0 if args.no_bucketing else LogprobPaths.bucket_min_saving)
     model_dir = Path(args.model_dir + (f"-v{args.vocab}" if args.vocab else ""))
     build_model(model_dir, args.tokenizer, args.vocab)
 
@@ -121,6 +117,7 @@ def main() -> None:
         cfg = PPOConfig(batch_size=64, mini_batch_size=16, ppo_epochs=4, learning_rate=1e-4,
                         mixed_precision="bf16" if args.bf16 else "no", **overrides)
         trainer = PPOTrainer(cfg, lora_model(model_dir), None, tok)
+        trainer.logprob_paths = paths
         env = CalculatorEnv()
         gen_times = []
         for step in range(args.steps + 1):
@@ -144,6 +141,7 @@ def main() -> None:
         cfg = GRPOConfig(tasks_per_step=8, num_generations=8, mini_batch_size=64, beta=0.0, learning_rate=1e-4,
                          mixed_precision="bf16" if args.bf16 else "no", **overrides)
         trainer = GRPOTrainer(cfg, lora_model(model_dir), tok)
+        trainer.logprob_paths = paths
         sampling = SamplingParams(max_new_tokens=32, reuse_kv=not args.no_kv_reuse)
         single_turn = lambda: CalculatorEnv(max_turns=1)  # noqa: E731
         history = []
@@ -160,6 +158,7 @@ def main() -> None:
         cfg = PPOConfig(batch_size=64, mini_batch_size=32, ppo_epochs=2, learning_rate=5e-4, adap_kl_ctrl=False,
                         init_kl_coef=0.05, **overrides)
         trainer = PPOTrainer(cfg, lora_model(model_dir), None, tok)
+        trainer.logprob_paths = paths
         for step in range(args.steps + 1):
             clock.start()
             sampling = SamplingParams(max_new_tokens=48, reuse_kv=not args.no_kv_reuse)
@@ -196,6 +195,7 @@ def main() -> None:
         cfg = DPOConfig(per_device_train_batch_size=16, max_steps=args.steps + 1, learning_rate=1e-4,
                         progress=False, bf16=args.bf16, logging_steps=1, **overrides)
         trainer = DPOTrainer(model=lora_model(model_dir), train_dataset=examples, tokenizer=tok, args=cfg)
+        trainer.logprob_paths = paths
         for step in range(args.steps + 1):
             trainer.config.max_steps = step + 1
             clock.start()

@@ -598,7 +598,7 @@ def shared_prefix_logprobs(model, batch: TokenBatch, temperature: float, with_en
 
 
 # Rows are split in two groups by the length of their rest (shared_prefix_logprobs) when that saves at least this
-# fraction of the rest's padded positions. Lower than BUCKET_MIN_SAVING: the prefix is not run again.
+# fraction of the rest's padded positions. Lower than LogprobPaths.bucket_min_saving: the prefix is not run again.
 REST_GROUP_MIN_SAVING = 0.1
 
 
@@ -677,8 +677,23 @@ def common_prefix_logprobs(model, batch: TokenBatch, temperature: float, with_en
                           entropy_grad, value_head)
 
 
-# Length buckets (by_length) only when they cut the padded positions of a forward by at least this fraction.
-BUCKET_MIN_SAVING = 0.25
+@dataclass(frozen=True)
+class LogprobPaths:
+    """The exact shortcuts of the logprob functions, all on by default; each gives the numbers of one full forward
+    up to float rounding. A trainer's `logprob_paths`; benchmarks/levers.py switches one off to measure it.
+
+    response_only: the LM head only where a row trains (response_logprobs), not full (B, T, V) logits.
+    shared_prefix: prompts that rows share run once (shared_prefix_logprobs for GRPO groups and DPO pairs).
+    bucket_min_saving: rows of similar length forward apart (by_length) when that cuts the padded positions by at
+      least this fraction (above 1: never).
+    """
+
+    response_only: bool = True
+    shared_prefix: bool = True
+    bucket_min_saving: float = 0.25
+
+
+FAST = LogprobPaths()
 
 
 def length_groups(lengths: torch.Tensor, min_saving: float, buckets: int = 2) -> list[torch.Tensor] | None:
@@ -692,13 +707,13 @@ def length_groups(lengths: torch.Tensor, min_saving: float, buckets: int = 2) ->
     return groups
 
 
-def by_length(forward, batch: TokenBatch, buckets: int = 2):
+def by_length(forward, batch: TokenBatch, buckets: int = 2, min_saving: float = FAST.bucket_min_saving):
     """forward(batch) -> tuple of (B, T-1) tensors (or None), run on `buckets` groups of rows of similar length
-    and put back in row order, when that saves enough padding (BUCKET_MIN_SAVING): a mini-batch mixing
+    and put back in row order, when that saves at least `min_saving` of the padded positions: a mini-batch mixing
     20- and 70-token episodes no longer pays 70 positions for each. Rows are independent in a causal LM
     forward, so the numbers are those of one forward (up to float rounding); gradients flow through the
     reassembly."""
-    groups = length_groups(batch.attention_mask.sum(-1), BUCKET_MIN_SAVING, buckets)
+    groups = length_groups(batch.attention_mask.sum(-1), min_saving, buckets)
     if groups is None:
         return forward(batch)
     outs = [forward(batch.select(g)) for g in groups]
@@ -715,15 +730,18 @@ def by_length(forward, batch: TokenBatch, buckets: int = 2):
     return tuple(assemble([o[k] for o in outs]) for k in range(len(outs[0])))
 
 
-def masked_logprobs(model, batch: TokenBatch, temperature: float, with_entropy: bool = False):
+def masked_logprobs(model, batch: TokenBatch, temperature: float, with_entropy: bool = False,
+                    paths: LogprobPaths = FAST):
     """(logprobs, entropy or None), each (B, T-1), at the positions where batch.loss_mask is 1 (0 elsewhere),
-    by the cheapest exact path: shared prefixes run once (shared_prefix_logprobs), else the LM head only at
-    those positions (response_logprobs), else the full forward. The entropy is a detached statistic."""
+    by the cheapest exact path `paths` allows: shared prefixes run once (shared_prefix_logprobs), else the LM
+    head only at those positions (response_logprobs), else the full forward. The entropy is a detached statistic."""
     # A model wrapped for several processes (DDP, FSDP, DeepSpeed) must run its own forward, where its
     # gradient hooks live: the full forward.
     wrapped = type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine")
-    out = None if wrapped else shared_prefix_logprobs(model, batch, temperature, with_entropy)
-    if out is None and not wrapped:
+    out = None
+    if not wrapped and paths.response_only and paths.shared_prefix:
+        out = shared_prefix_logprobs(model, batch, temperature, with_entropy)
+    if out is None and not wrapped and paths.response_only:
         out = response_logprobs(model, batch, temperature, with_entropy)
     if out is not None:
         return out[0], out[1]

@@ -25,10 +25,11 @@ from accelerate.utils import set_seed
 from agentrl.algos.dpo import dpo_loss
 from agentrl.errors import UserError
 from agentrl.preferences import PreferenceExample, load_preferences
-from agentrl.trainers.common import (MetricsLog, build_batch, checkpoint_activations, default_pad_token, eval_mode, guarded_step, load_trainer_checkpoint,
-                                     load_trainer_state, make_accelerator, masked_logprobs, mean_over_processes,
-                                     norm_gain_parameters, optimizer_groups, progress_bar, resumed_metrics,
-                                     save_trainer_checkpoint, save_weights, trainer_state, write_lm)
+from agentrl.trainers.common import (FAST, MetricsLog, build_batch, checkpoint_activations, default_pad_token,
+                                     eval_mode, guarded_step, load_trainer_checkpoint, load_trainer_state,
+                                     make_accelerator, masked_logprobs, mean_over_processes, norm_gain_parameters,
+                                     optimizer_groups, progress_bar, resumed_metrics, save_trainer_checkpoint,
+                                     save_weights, trainer_state, write_lm)
 
 
 @dataclass
@@ -109,6 +110,7 @@ class DPOTrainer:
         # replace(), not setattr: DPOTrainer(beta=-1) is checked by __post_init__ as DPOConfig(beta=-1) is.
         config = replace(config, **{key: value for key, value in overrides.items() if value is not None})
         self.config = config
+        self.logprob_paths = FAST  # the exact logprob shortcuts (trainers/common.LogprobPaths)
         if config.fp16 and not torch.cuda.is_available():
             raise UserError("dpo.fp16: fp16 needs a CUDA GPU and none is available; set fp16=False (or bf16=True)")
         if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
@@ -176,7 +178,7 @@ class DPOTrainer:
         batch = self._batch(examples)
         # Chosen and rejected share their prompt: it runs once per pair, and only assistant positions reach the
         # LM head (masked_logprobs).
-        logps = masked_logprobs(model, batch, 1.0)[0].sum(-1)
+        logps = masked_logprobs(model, batch, 1.0, paths=self.logprob_paths)[0].sum(-1)
         return logps[: len(examples)], logps[len(examples):]
 
     @torch.no_grad()

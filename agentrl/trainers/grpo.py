@@ -25,12 +25,13 @@ from agentrl.algos.losses import tis_weights
 from agentrl.rollout.engine import Episode, rollout
 from agentrl.rollout.sampling import SamplingParams
 from agentrl.samples import SamplesLog
-from agentrl.trainers.common import (MetricsLog, TokenBatch, check_batch, default_pad_token, end_of_step, episodes_to_batch, eval_mode,
-                                     gathered_for_generation, global_logprob_mismatch, global_token_scale, guarded_step,
-                                     load_trainer_checkpoint, load_trainer_state, logprob_mismatch, make_accelerator,
-                                     mask_infra_failures, masked_logprobs, mean_over_processes, norm_gain_parameters,
-                                     optimizer_groups, progress_bar, resumed_cycler, resumed_metrics,
-                                     save_trainer_checkpoint, save_weights, trainer_state, write_lm)
+from agentrl.trainers.common import (FAST, MetricsLog, TokenBatch, check_batch, default_pad_token, end_of_step,
+                                     episodes_to_batch, eval_mode, gathered_for_generation, global_logprob_mismatch,
+                                     global_token_scale, guarded_step, load_trainer_checkpoint, load_trainer_state,
+                                     logprob_mismatch, make_accelerator, mask_infra_failures, masked_logprobs,
+                                     mean_over_processes, norm_gain_parameters, optimizer_groups, progress_bar,
+                                     resumed_cycler, resumed_metrics, save_trainer_checkpoint, save_weights,
+                                     trainer_state, write_lm)
 
 
 @dataclass
@@ -108,6 +109,7 @@ class GRPOTrainer:
 
     def __init__(self, config: GRPOConfig, model, tokenizer, ref_model=None, optimizer=None):
         self.config = config
+        self.logprob_paths = FAST  # the exact logprob shortcuts (trainers/common.LogprobPaths)
         self.accelerator = make_accelerator(gradient_accumulation_steps=config.gradient_accumulation_steps,
                                             mixed_precision=config.mixed_precision, log_with=config.log_with,
                                             project_dir=config.project_dir)
@@ -280,9 +282,10 @@ class GRPOTrainer:
     @torch.no_grad()
     def _ref_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         if self.ref_model is not None:
-            return masked_logprobs(self.ref_model, batch, self.config.temperature)[0]
+            return masked_logprobs(self.ref_model, batch, self.config.temperature,
+                                   paths=self.logprob_paths)[0]
         with self.policy.disable_adapter():
-            return masked_logprobs(self.policy, batch, self.config.temperature)[0]
+            return masked_logprobs(self.policy, batch, self.config.temperature, paths=self.logprob_paths)[0]
 
     def _update(self, episodes: list[Episode]) -> dict[str, float]:
         cfg, t0 = self.config, time.time()
@@ -345,7 +348,8 @@ class GRPOTrainer:
                 old = torch.zeros_like(full.loss_mask)
                 for idx in chunks:
                     mb = full.select(idx)
-                    old[idx, : mb.loss_mask.shape[1]] = masked_logprobs(self.model, mb, cfg.temperature)[0]
+                    old[idx, : mb.loss_mask.shape[1]] = masked_logprobs(
+                        self.model, mb, cfg.temperature, paths=self.logprob_paths)[0]
         if cfg.beta > 0:
             ref = torch.zeros_like(full.loss_mask)
             # FSDP / ZeRO-3: the unwrapped reference, with whole weights
@@ -373,7 +377,8 @@ class GRPOTrainer:
                 with self.accelerator.accumulate(self.model):
                     with self.accelerator.autocast():
                         # Only sampled positions reach the LM head; each group's prompt runs once.
-                        logprobs, entropy = masked_logprobs(self.model, mb, cfg.temperature, with_entropy=True)
+                        logprobs, entropy = masked_logprobs(self.model, mb, cfg.temperature, with_entropy=True,
+                                                            paths=self.logprob_paths)
                     if old is None and it == 0 and start < cfg.mini_batch_size * cfg.gradient_accumulation_steps:
                         at_rollout.append((logprobs.detach(), mb.logprobs, mb.loss_mask))
                     mb_old = logprobs.detach() if old is None else old[idx, :w]

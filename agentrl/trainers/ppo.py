@@ -31,14 +31,15 @@ from agentrl.models.value_head import AutoModelForCausalLMWithValueHead, create_
 from agentrl.rollout.engine import Episode, rollout
 from agentrl.rollout.sampling import SamplingParams
 from agentrl.samples import SamplesLog
-from agentrl.trainers.common import (MetricsLog, TokenBatch, by_length, check_batch, checkpoint_activations,
-                                     common_prefix_logprobs, default_pad_token,
-                                     end_of_step, episodes_to_batch, eval_mode, gathered_for_generation, global_logprob_mismatch,
+from agentrl.trainers.common import (FAST, MetricsLog, TokenBatch, by_length, check_batch, checkpoint_activations,
+                                     common_prefix_logprobs, default_pad_token, end_of_step, episodes_to_batch,
+                                     eval_mode, gathered_for_generation, global_logprob_mismatch,
                                      global_masked_moments, global_token_scale, guarded_step, lm_logprobs,
                                      load_trainer_checkpoint, load_trainer_state, logprob_mismatch, make_accelerator,
-                                     mask_infra_failures, norm_gain_parameters, optimizer_groups,
-                                     policy_forward, progress_bar, response_logprobs, resumed_cycler, resumed_metrics,
-                                     save_trainer_checkpoint, save_weights, sum_over_processes, trainer_state, write_lm)
+                                     mask_infra_failures, norm_gain_parameters, optimizer_groups, policy_forward,
+                                     progress_bar, response_logprobs, resumed_cycler, resumed_metrics,
+                                     save_trainer_checkpoint, save_weights, sum_over_processes, trainer_state,
+                                     write_lm)
 from agentrl.trainers.sft import sft_loss
 
 
@@ -211,6 +212,7 @@ class PPOTrainer:
                  optimizer: torch.optim.Optimizer | None = None, num_shared_layers: int | None = None,
                  lr_scheduler=None):
         self.config = config = config or PPOConfig()
+        self.logprob_paths = FAST  # the exact logprob shortcuts (trainers/common.LogprobPaths)
         if model is None or tokenizer is None:
             raise ValueError("PPOTrainer needs `model` and `tokenizer`")
         project = {"project_dir": config.project_dir, **config.project_kwargs}
@@ -359,8 +361,8 @@ class PPOTrainer:
 
     def _fast_lm(self):
         """(the causal LM, the value head) when logprobs may come from `response_logprobs` (one process: the
-        model is not wrapped for distributed training), else None."""
-        if self.model is not self.accelerator.unwrap_model(self.model):
+        model is not wrapped for distributed training; self.logprob_paths allows it), else None."""
+        if self.model is not self.accelerator.unwrap_model(self.model) or not self.logprob_paths.response_only:
             return None
         return self.model.pretrained_model, self.model.v_head
 
@@ -377,7 +379,7 @@ class PPOTrainer:
             # Rows of similar length forward together (by_length): episodes of an agent loop vary a lot.
             out = by_length(lambda b: response_logprobs(fast[0], b, self.config.temperature, with_entropy=True,
                                                         value_head=fast[1], entropy_grad=entropy_grad) or (None,) * 3,
-                            batch)
+                            batch, min_saving=self.logprob_paths.bucket_min_saving)
             if out[0] is not None:
                 return out[0], out[2], out[1], None
         logprobs, values, _, logits = policy_forward(self.model, batch, self.config.temperature)

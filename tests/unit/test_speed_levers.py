@@ -262,12 +262,12 @@ def test_multi_turn_rollout_on_the_kv_cache_keeps_exact_logprobs(tiny_base, monk
 
 
 def test_length_buckets_give_the_one_forward_numbers_and_gradients(monkeypatch):
-    monkeypatch.setattr(common, "BUCKET_MIN_SAVING", 0.0)
     model = tiny_lora()
     rows = ROWS + [([1] + list(range(10, 40)), [0] + [1] * 30, [])]  # one long row: most positions are padding
     batch = build_batch(rows, 0)
     split = values_and_grads(model, lambda: common.by_length(
-        lambda b: response_logprobs(model, b, 0.7, with_entropy=True, entropy_grad=True)[:2], batch))
+        lambda b: response_logprobs(model, b, 0.7, with_entropy=True, entropy_grad=True)[:2], batch,
+        min_saving=0.0))
     assert_same(split, values_and_grads(model, lambda: reference(model, batch, 0.7)))
 
 
