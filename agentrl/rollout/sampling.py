@@ -113,7 +113,6 @@ class KVState:
         self.attention_mask = self.attention_mask[index]
 
 
-@torch.no_grad()
 def _forward_kwargs(model, hidden_states: bool) -> dict:
     """The sampler's forward kwargs. Logits of the last position only: the others are never read (a (B, T, V)
     block saved). Kept as logits_to_keep=1, not a position index (index_logits_to_keep), although at a 152 K
@@ -164,6 +163,8 @@ def _finish(ids: list[int], eos_token_id: int, compiled: list, tokenizer, room: 
     return None
 
 
+@torch.no_grad()  # sampling builds no graph: with LoRA weights that require grad, every step's activations and
+# KV tensors would be kept for a backward that never comes (18 GB at SmolLM2-135M, 16 episodes)
 def sample_batch(
     model: torch.nn.Module,
     contexts: list[list[int]],

@@ -314,3 +314,18 @@ def test_the_models_own_head_runs_on_no_position_in_the_fast_paths(monkeypatch, 
     for i, s in enumerate(samples):
         span = slice(len([P1, P2][i]) - 1, len([P1, P2][i]) - 1 + len(s.ids))
         assert torch.allclose(reference(model, sampled, 1.0)[0][i, span], torch.tensor(s.logprobs), atol=1e-5)
+
+
+
+def test_sampling_builds_no_autograd_graph():
+    """sample_batch runs without autograd even for a model whose weights require grad (LoRA): a rollout that kept
+    every step's activations for a backward that never comes grew to 18 GB at SmolLM2-135M."""
+    from agentrl.rollout.sampling import KVState, SamplingParams, sample_batch
+
+    model = tiny_lora()
+    assert any(p.requires_grad for p in model.parameters())
+    kv = KVState()
+    samples = sample_batch(model, [P1, P2], SamplingParams(max_new_tokens=4), eos_token_id=3, pad_token_id=0, kv=kv)
+    assert len(samples) == 2 and kv.cache is not None
+    values = kv.cache.layers[0].values  # v_proj carries a LoRA adapter
+    assert values.grad_fn is None and not values.requires_grad
