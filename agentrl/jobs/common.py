@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from agentrl.config import ConfigError, to_dict
-from agentrl.envs.base import load_object, load_tasks, make_env
+from agentrl.envs.base import env_option, load_object, load_tasks, make_env
 from agentrl.errors import UserError
 from agentrl.models.tiny import BaseModelConfig
 
@@ -126,7 +126,7 @@ def training_tasks(env_cfg: EnvSection, seed: int, eval_tasks: list[dict]) -> li
 
 def renders_chat(env) -> bool:
     """The environment renders conversations with the tokenizer's chat template (ToolEnv in chat format)."""
-    return getattr(env, "format", None) == "chat" or bool(getattr(env, "keep_special_tokens", False))
+    return getattr(env, "format", None) == "chat" or bool(env_option(env, "keep_special_tokens"))
 
 
 def env_demonstrations(env_cfg: EnvSection, n: int, seed: int, eval_tasks: list[dict]) -> list:
