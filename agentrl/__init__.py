@@ -11,7 +11,7 @@ _LAZY = {
     "DPOTrainer": "agentrl.trainers.dpo",
     "GRPOConfig": "agentrl.trainers.grpo",
     "GRPOTrainer": "agentrl.trainers.grpo",
-    "PPOConfig": "agentrl.trainers.ppo",
+    "PPOConfig": "agentrl.trl_compat",
     "PPOTrainer": "agentrl.trl_compat",
     "SFTConfig": "agentrl.trainers.sft",
     "SFTTrainer": "agentrl.trainers.sft",

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import re
+import sys
 import warnings
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
@@ -23,9 +26,45 @@ from agentrl.models.value_head import AutoModelForCausalLMWithValueHead
 from agentrl.rollout.sampling import SamplingParams, sample_batch
 from agentrl.trainers import ppo
 from agentrl.trainers.common import TokenBatch, build_batch, position_ids, scalars
-from agentrl.trainers.ppo import PPOConfig
 
 __all__ = ["PPOConfig", "PPOTrainer"]
+
+
+@dataclass
+class PPOConfig(ppo.PPOConfig):
+    """TRL 0.11's PPOConfig: the agent PPO's settings plus the fields only TRL's sample-by-hand API reads or
+    that TRL 0.11 accepted without using them, with TRL's defaults (every field of TRL 0.11.4's PPOConfig)."""
+
+    exp_name: str = field(default_factory=lambda: os.path.basename(sys.argv[0])[: -len(".py")])  # the script's name
+    task_name: str | None = None  # free-form task name, recorded with the trackers
+    model_name: str | None = "gpt2"  # the model's name or path (TRL's examples load it; recorded with the trackers)
+    query_dataset: str | None = "stanfordnlp/imdb"  # the dataset's name (TRL's examples load it)
+    reward_model: str | None = "sentiment-analysis:lvwerra/distilbert-imdb"  # "task:model" (TRL's examples)
+    remove_unused_columns: bool = True  # drop dataset columns the collator does not need
+    dataset_num_proc: int | None = None  # processes for dataset.map when tokenizing queries
+    use_score_scaling: bool = False  # step(): divide scores by their running std
+    use_score_norm: bool = False  # step(): with use_score_scaling, also subtract the running mean
+    score_clip: float | None = None  # step(): clip scores to [-score_clip, score_clip]
+    forward_batch_size: int | None = None  # deprecated in TRL 0.11: overrides mini_batch_size
+    push_to_hub_if_best_kwargs: dict = field(default_factory=dict)  # accepted; nothing is pushed
+    compare_steps: int = 1  # accepted (push_to_hub_if_best); no effect
+    optimize_cuda_cache: bool | None = None  # deprecated in TRL 0.11; accepted, no effect
+    optimize_device_cache: bool = False  # accepted; no effect (PyTorch's caching allocator does this job)
+
+    def __post_init__(self):
+        if self.forward_batch_size is not None:
+            warnings.warn("Note that using `forward_batch_size` is deprecated, use `mini_batch_size` instead. By "
+                          "setting it you overwrite `mini_batch_size`.", stacklevel=3)
+            self.mini_batch_size = self.forward_batch_size
+        super().__post_init__()
+        self.total_ppo_epochs = int(math.ceil(self.steps / self.batch_size))  # TRL's examples stop at this
+
+    @classmethod
+    def of(cls, config: ppo.PPOConfig | None) -> PPOConfig:
+        """`config` as this class: an agent PPOConfig gets TRL's defaults for the fields it lacks."""
+        if config is None or isinstance(config, cls):
+            return config or cls()
+        return cls(**{f.name: getattr(config, f.name) for f in fields(ppo.PPOConfig) if f.init})
 
 
 class RunningMoments:
@@ -74,6 +113,7 @@ class PPOTrainer(ppo.PPOTrainer):
     def __init__(self, config: PPOConfig | None = None, model=None, ref_model=None, tokenizer=None, dataset=None,
                  optimizer: torch.optim.Optimizer | None = None, data_collator: Callable | None = None,
                  num_shared_layers: int | None = None, lr_scheduler=None, training_data_collator=None):
+        config = PPOConfig.of(config)
         super().__init__(config, model, ref_model, tokenizer, optimizer=optimizer,
                          num_shared_layers=num_shared_layers, lr_scheduler=lr_scheduler)
         if dataset is None:
@@ -195,23 +235,9 @@ class PPOTrainer(ppo.PPOTrainer):
         response_masks: optional 0/1 tensors over each response, 0 on tokens the policy did not write
         (tool outputs pasted into the response); those tokens get no loss, KL or advantage.
         """
-        n = self.config.batch_size
-        for name, value in (("queries", queries), ("responses", responses), ("scores", scores)):
-            if not isinstance(value, (list, tuple)):
-                raise ValueError(f"{name} must be a list, got {type(value).__name__}")
-            if len(value) != n:
-                raise ValueError(f"batch size ({n}) does not match number of {name} ({len(value)})")
-        if response_masks is not None and len(response_masks) != n:
-            raise ValueError(f"batch size ({n}) does not match number of response_masks ({len(response_masks)})")
-        score_values = []
-        for i, s in enumerate(scores):
-            s = torch.as_tensor(s, dtype=torch.float32)
-            if s.dim() > 1:
-                raise ValueError(f"Scores must be 1-dimensional - got {s.dim()} for scores[{i}] = {s}")
-            if s.numel() != 1:
-                raise ValueError(f"scores[{i}] must be a scalar, got shape {tuple(s.shape)}")
-            score_values.append(float(s))
-        score_values = self._scale_scores(torch.tensor(score_values)).tolist()
+        queries, responses, scores, response_masks = self._step_safety_checker(
+            self.config.batch_size, queries, responses, scores, response_masks)
+        score_values = self._scale_scores(torch.stack(scores)).tolist()
         rows = []
         for i, (q, r) in enumerate(zip(queries, responses)):
             q, r = q.tolist(), r.tolist()
@@ -226,6 +252,27 @@ class PPOTrainer(ppo.PPOTrainer):
         batch = build_batch(rows, self.tokenizer.pad_token_id)
         self._attach_generated(batch, queries, responses, response_masks)
         return self._update(batch)
+
+    def _step_safety_checker(self, batch_size: int, queries: list, responses: list, scores: list,
+                             masks: list | None = None) -> tuple[list, list, list[torch.Tensor], list | None]:
+        """step()'s input check, under TRL 0.11's name (its tests call it): lists of `batch_size` queries,
+        responses and scores (and masks), each score a scalar. Returns them with each score a 0-d float tensor."""
+        for name, value in (("queries", queries), ("responses", responses), ("scores", scores)):
+            if not isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be a list, got {type(value).__name__}")
+            if len(value) != batch_size:
+                raise ValueError(f"batch size ({batch_size}) does not match number of {name} ({len(value)})")
+        if masks is not None and len(masks) != batch_size:
+            raise ValueError(f"batch size ({batch_size}) does not match number of response_masks ({len(masks)})")
+        checked = []
+        for i, s in enumerate(scores):
+            s = torch.as_tensor(s, dtype=torch.float32)
+            if s.dim() > 1:
+                raise ValueError(f"Scores must be 1-dimensional - got {s.dim()} for scores[{i}] = {s}")
+            if s.numel() != 1:
+                raise ValueError(f"scores[{i}] must be a scalar, got shape {tuple(s.shape)}")
+            checked.append(s.reshape(()))
+        return list(queries), list(responses), checked, masks
 
     def _attach_generated(self, batch: TokenBatch, queries, responses, response_masks) -> None:
         """When every (query, response) of this step is exactly what the last generate() sampled, with no update

@@ -6,7 +6,7 @@
     Observation: 56088                     <- written by the environment, masked out of the loss
     Answer: 56088<eos>
 
-Rewards (configurable) follow seed 000: 1.0 correct answer after a tool call, 0.2 tool called but the
+Rewards (configurable) follow the tutorials' table: 1.0 correct answer after a tool call, 0.2 tool called but the
 answer is wrong, -0.5 only malformed tool calls, -1.0 no tool call at all. The answer is read from the
 `Answer:` line only; an `Observation:` the model writes itself is never read.
 """

@@ -400,13 +400,6 @@ def warn_ineffective(config, algo: str) -> None:
                           "the full tempered distribution, so the update does not correct for it")
     if algo == "ppo":
         ppo, default = config.ppo, PPOConfig()
-        for key in ("use_score_scaling", "use_score_norm", "score_clip"):
-            if getattr(ppo, key) != getattr(default, key):
-                warn(f"ppo.{key}", "only applies to trainer.step(); the agent loop of this job ignores it")
-        for key in ("forward_batch_size", "optimize_cuda_cache", "optimize_device_cache", "compare_steps",
-                    "push_to_hub_if_best_kwargs"):
-            if getattr(ppo, key) != getattr(default, key):
-                warn(f"ppo.{key}", "is accepted for TRL 0.11 parity and has no effect")
         if ppo.steps != default.steps:
             warn("ppo.steps", f"is ignored by the job, which runs `steps` ({config.steps})")
     if algo == "grpo":

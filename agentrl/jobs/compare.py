@@ -1,5 +1,5 @@
 """The job behind `agentrl compare`: two policies on the same tasks and seeds, win-rate with a 95% interval
-(seed 003's before/after comparison)."""
+(the before/after comparison of an RLHF tutorial)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The DPO job behind `agentrl dpo` / `make demo-dpo`: offline DPO on a pairs file, or iterative DPO from
-environment feedback (seed 003's 迭代式DPO): rounds of sample -> score -> pair -> DPO."""
+environment feedback: rounds of sample -> score -> pair -> DPO."""
 
 from __future__ import annotations
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -152,9 +151,7 @@ def make_trainer(config: JobConfig, model, tokenizer, n_train_tasks: int, eval_t
 
     if config.algo != "ppo":
         return GRPOTrainer(config.grpo, model, tokenizer)
-    with warnings.catch_warnings():  # TRL's "No dataset is provided" is for step() users; train() needs none
-        warnings.filterwarnings("ignore", message="No dataset is provided")
-        trainer = PPOTrainer(config=config.ppo, model=model, tokenizer=tokenizer)
+    trainer = PPOTrainer(config=config.ppo, model=model, tokenizer=tokenizer)
     if config.ppo.ptx_coef > 0 and config.ppo.ptx_data == "env":  # PPO-ptx on the environment's demonstrations
         if not config.env.demonstrations:
             raise ConfigError("ppo.ptx_data: 'env' needs env.demonstrations (module:function(task, rng))")

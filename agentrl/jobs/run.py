@@ -21,13 +21,9 @@ RUN_CONTROL_KEYS = ("resume", "progress", "checkpoint_every", "keep_checkpoints"
 EXTENDABLE_KEYS = ("steps", "iterative.rounds")  # may grow when resuming, to train further
 
 
-NAME_KEYS = ("exp_name",)  # names for trackers only; PPOConfig's defaults to the script's name, as in TRL
-
-
 def run_config(config: dict) -> dict:
-    """The job config without the keys that only steer or name the run (they may change between resumes)."""
-    return {k: {n: x for n, x in v.items() if n not in NAME_KEYS} if isinstance(v, dict) else v
-            for k, v in config.items() if k not in RUN_CONTROL_KEYS}
+    """The job config without the keys that only steer the run (they may change between resumes)."""
+    return {k: v for k, v in config.items() if k not in RUN_CONTROL_KEYS}
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

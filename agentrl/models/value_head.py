@@ -1,4 +1,4 @@
-"""One backbone for policy, value and reference (seed 004's four models become one).
+"""One backbone for policy, value and reference (RLHF's four models become one).
 
 `AutoModelForCausalLMWithValueHead` keeps TRL 0.11's name and call signature: `forward` returns
 `(lm_logits, loss, value)`; `state_dict()` holds the LM's own keys plus `v_head.*` (only `v_head.*` under

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -45,21 +43,16 @@ from agentrl.trainers.sft import sft_loss
 
 @dataclass
 class PPOConfig:
-    """Every field of TRL 0.11's PPOConfig, with its defaults, plus a few agentrl additions at the end."""
+    """The agent PPO's settings: TRL 0.11's PPOConfig fields that the update reads, with TRL's names and
+    defaults, then agentrl's own. The fields only TRL's sample-by-hand API reads (dataset handling, score
+    scaling for `step()`, Hub and cache flags) are in `agentrl.trl_compat.PPOConfig`, which adds them to these."""
 
-    exp_name: str = field(default_factory=lambda: os.path.basename(sys.argv[0])[: -len(".py")])  # the script's name
     seed: int = 0  # random seed
     log_with: str | None = None  # tracker for accelerate: "wandb", "tensorboard", ... (None: no tracker)
-    task_name: str | None = None  # free-form task name, recorded with the trackers
-    model_name: str | None = "gpt2"  # the model's name or path (TRL's examples load it; recorded with the trackers)
-    query_dataset: str | None = "stanfordnlp/imdb"  # the dataset's name (TRL's examples load it)
-    reward_model: str | None = "sentiment-analysis:lvwerra/distilbert-imdb"  # "task:model" (TRL's examples)
-    remove_unused_columns: bool = True  # drop dataset columns the collator does not need (kept for parity)
     tracker_kwargs: dict = field(default_factory=dict)  # passed to init_trackers(init_kwargs=...)
     accelerator_kwargs: dict = field(default_factory=dict)  # passed to Accelerator(...)
     project_kwargs: dict = field(default_factory=dict)  # passed to accelerate's ProjectConfiguration
     tracker_project_name: str = "trl"  # project name for the trackers
-    push_to_hub_if_best_kwargs: dict = field(default_factory=dict)  # accepted for parity; nothing is pushed
     steps: int = 20000  # number of PPO steps (agent-level train() default)
     learning_rate: float = 1.41e-5  # Adam learning rate
     adap_kl_ctrl: bool = True  # adaptive KL coefficient (Ziegler et al. 2019)
@@ -73,21 +66,14 @@ class PPOConfig:
     cliprange_value: float = 0.2  # value clip
     vf_coef: float = 0.1  # value loss coefficient
     batch_size: int = 128  # episodes per PPO step
-    forward_batch_size: int | None = None  # deprecated in TRL 0.11: overrides mini_batch_size
     mini_batch_size: int = 128  # episodes per optimisation step
     gradient_accumulation_steps: int = 1  # mini-batches per optimizer step
     world_size: int | None = None  # set from accelerate
     ppo_epochs: int = 4  # optimisation epochs per batch
     max_grad_norm: float | None = None  # gradient-norm clip (None: off)
-    optimize_cuda_cache: bool | None = None  # deprecated in TRL 0.11; accepted, no effect
-    optimize_device_cache: bool = False  # accepted for parity; no effect
     early_stopping: bool = False  # stop the epochs when policy KL > 1.5 * target_kl
     target_kl: float = 1.0  # KL target for early stopping
-    compare_steps: int = 1  # accepted for parity (push_to_hub_if_best); no effect
     ratio_threshold: float = 10.0  # skip a mini-batch whose mean ratio exceeds this
-    use_score_scaling: bool = False  # divide scores by their running std
-    use_score_norm: bool = False  # with use_score_scaling, also subtract the running mean
-    score_clip: float | None = None  # clip scores to [-score_clip, score_clip]
     whiten_rewards: bool = False  # whiten per-token rewards before GAE
     gradient_checkpointing: bool = False  # gradient checkpointing on the backbone
     is_encoder_decoder: bool | None = None  # set from the model; encoder-decoders are not supported
@@ -95,7 +81,6 @@ class PPOConfig:
     backward_batch_size: int | None = None  # derived: mini_batch_size * gradient_accumulation_steps
     global_backward_batch_size: int | None = None  # derived
     global_batch_size: int | None = None  # derived
-    dataset_num_proc: int | None = None  # processes for dataset.map when tokenizing queries
     # --- agentrl additions ---
     temperature: float = 1.0  # sampling temperature; logits are divided by it wherever logprobs are computed
     adam_eps: float = 1e-8  # Adam epsilon (TRL's default; 1e-5 is often steadier, Huang et al. 2024)
@@ -146,17 +131,13 @@ class PPOConfig:
         for name in ("batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.forward_batch_size is not None:
-            warnings.warn("Note that using `forward_batch_size` is deprecated, use `mini_batch_size` instead. By "
-                          "setting it you overwrite `mini_batch_size`.", stacklevel=3)
-            self.mini_batch_size = self.forward_batch_size
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.ptx_coef > 0 and not self.ptx_data:
             raise ValueError("ptx_coef > 0 needs ptx_data: a demonstrations JSONL file, or 'env' in an agentrl job")
         backward = self.mini_batch_size * self.gradient_accumulation_steps
         if backward > self.batch_size and self.batch_size % self.mini_batch_size == 0:
-            # Seed 000 asks for batch_size=1, mini_batch_size=1, gradient_accumulation_steps=4, which TRL
+            # Tutorials ask for batch_size=1, mini_batch_size=1, gradient_accumulation_steps=4, which TRL
             # 0.11 rejected. One step cannot accumulate over more mini-batches than it has.
             fitted = self.batch_size // self.mini_batch_size
             warnings.warn(f"gradient_accumulation_steps={self.gradient_accumulation_steps} needs "
@@ -171,7 +152,6 @@ class PPOConfig:
         self.world_size = self.world_size or 1
         self.global_backward_batch_size = backward * self.world_size
         self.global_batch_size = self.batch_size * self.world_size
-        self.total_ppo_epochs = int(math.ceil(self.steps / self.batch_size))  # TRL's examples stop at this
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a flat dict (nested dicts joined with "/"), as TRL 0.11 records them with trackers."""
@@ -180,8 +160,8 @@ class PPOConfig:
 
 def warn_if_approx_kl_explodes(approx_kl: float, config: PPOConfig, step: int) -> None:
     """A warning when one update moved the policy far outside PPO's trust region: a healthy LLM PPO step has
-    an approx-KL of 0.001-0.05 (Huang et al. 2024). A pretrained model given the embedded model's learning
-    rates had 2.98 at its first step and forgot the task by the second, with no other sign in the log."""
+    an approx-KL of 0.001-0.05 (Huang et al. 2024). Nothing else in the log shows a collapse until the policy's
+    accuracy is gone (docs/real-model.md)."""
     approx_kl = float(np.max(np.asarray(approx_kl, dtype=float)))  # several processes: one value per process
     if config.approx_kl_warning is not None and not approx_kl <= config.approx_kl_warning:
         warnings.warn(f"PPO step {step}: approx-KL {approx_kl:.3g} between the rollout policy and the updated one "

@@ -1,4 +1,4 @@
-"""Bradley-Terry reward models from preference pairs (seed 004's RLHF step 2), usable as PPO's score.
+"""Bradley-Terry reward models from preference pairs (RLHF's step 2), usable as PPO's score.
 
 A reward model is a causal-LM backbone (LoRA or full) with a scalar head on the hidden state of the last
 token, or any `AutoModelForSequenceClassification` with one label. Trained with -logsigmoid(s_c - s_r).

@@ -172,3 +172,41 @@ def test_the_agent_trainer_carries_no_trl_only_api():
     assert agentrl.PPOTrainer is Adapter and issubclass(Adapter, ppo.PPOTrainer)
     for name in ("generate", "step", "log_stats", "batched_forward_pass", "compute_rewards", "prepare_dataloader"):
         assert hasattr(Adapter, name) and not hasattr(ppo.PPOTrainer, name), name
+
+
+# TRL 0.11.4's PPOConfig field names, in its order.
+TRL_PPO_CONFIG_FIELDS = (
+    "exp_name seed log_with task_name model_name query_dataset reward_model remove_unused_columns tracker_kwargs "
+    "accelerator_kwargs project_kwargs tracker_project_name push_to_hub_if_best_kwargs steps learning_rate "
+    "adap_kl_ctrl init_kl_coef kl_penalty target horizon gamma lam cliprange cliprange_value vf_coef batch_size "
+    "forward_batch_size mini_batch_size gradient_accumulation_steps world_size ppo_epochs max_grad_norm "
+    "optimize_cuda_cache optimize_device_cache early_stopping target_kl compare_steps ratio_threshold "
+    "use_score_scaling use_score_norm score_clip whiten_rewards gradient_checkpointing is_encoder_decoder "
+    "is_peft_model backward_batch_size global_backward_batch_size global_batch_size dataset_num_proc").split()
+
+
+def test_trl_config_has_every_trl_field_and_the_agent_config_only_what_the_update_reads():
+    from dataclasses import fields
+
+    from agentrl.trainers import ppo
+
+    trl_fields = {f.name for f in fields(PPOConfig)}
+    agent_fields = {f.name for f in fields(ppo.PPOConfig)}
+    assert set(TRL_PPO_CONFIG_FIELDS) <= trl_fields and agent_fields < trl_fields
+    only_trl = set(TRL_PPO_CONFIG_FIELDS) - agent_fields
+    assert {"query_dataset", "reward_model", "score_clip", "forward_batch_size", "push_to_hub_if_best_kwargs",
+            "exp_name"} <= only_trl
+    # an agent config is accepted by the TRL API, with TRL's defaults for the rest
+    lifted = PPOConfig.of(ppo.PPOConfig(batch_size=4, mini_batch_size=2, learning_rate=3e-4))
+    assert isinstance(lifted, PPOConfig) and lifted.learning_rate == 3e-4 and lifted.mini_batch_size == 2
+    assert lifted.query_dataset == "stanfordnlp/imdb" and lifted.total_ppo_epochs == 5000
+    with pytest.warns(UserWarning, match="forward_batch_size"):
+        assert PPOConfig(batch_size=8, forward_batch_size=4).mini_batch_size == 4
+
+
+def test_a_job_config_refuses_trl_only_ppo_keys():
+    from agentrl.config import ConfigError, load_config
+    from agentrl.jobs.ppo import JobConfig
+
+    with pytest.raises(ConfigError, match="query_dataset"):
+        load_config(JobConfig, None, ["ppo.query_dataset=imdb"])
