@@ -419,8 +419,10 @@ class Checkpointer:
             self.save(step, trainer.state_dict())
         if self.signal is not None:
             name = signal.Signals(self.signal).name
-            say(f"{name}: checkpoint {self.last_saved} written at step {step}; exiting (resume=auto continues)")
-            raise SystemExit(0)
+            say(f"{name}: checkpoint {self.last_saved} written at step {step}; exiting with status "
+                f"{128 + self.signal} (resume=auto continues)")
+            # Not 0: the job did not finish (no summary.json), and `agentrl ppo ... && next-step` must stop.
+            raise SignalExit(128 + self.signal)
 
     @contextmanager
     def signals(self):

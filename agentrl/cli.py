@@ -115,10 +115,11 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_report(args) -> int:
+    from agentrl.errors import UserError
     from agentrl.jobs.report import run_report
 
     if bool(args.run) == bool(args.compare):
-        raise SystemExit("agentrl report: give RUN_DIR or --compare RUN_A RUN_B (one of them)")
+        raise UserError("agentrl report: give RUN_DIR or --compare RUN_A RUN_B (one of them)")
     path = run_report(args.run, args.compare, args.out, args.screenshot)
     print(f"report: {Path(path).resolve()}")
     if args.screenshot:
@@ -249,11 +250,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from agentrl.errors import UserError
+    from agentrl.errors import SignalExit, UserError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except SignalExit:  # SIGTERM/SIGINT: its message is already out, its status is 128 + the signal
+        raise
+    except SystemExit as e:
+        # Only user code (an environment, a tool, a tasks function) calls sys.exit inside a job; the places that
+        # call it are wrapped and name themselves, and this is the net for any other: never an exit 0 with no result.
+        if args.debug:
+            raise
+        print(f"agentrl: error: sys.exit({e.code!r}) was called inside the job (by user code: an environment, "
+              f"a tool or a tasks function); the job did not finish", file=sys.stderr)
+        return 2
     except UserError as e:  # a mistake in the config, the data or a path: one line, not a traceback
         if args.debug:
             raise

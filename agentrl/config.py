@@ -59,7 +59,12 @@ RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
         "max_new_tokens", "keep_checkpoints", "sample_every", "lora_r", "lora_alpha", "max_context",
         "max_observation_tokens")},
     **{name: (lambda x: x >= 0, "must be >= 0") for name in (
-        "steps", "top_k", "checkpoint_every", "samples_per_step", "max_nonfinite_steps", "step_timeout")},
+        "steps", "top_k", "checkpoint_every", "samples_per_step", "max_nonfinite_steps", "step_timeout",
+        "weight_decay", "warmup_steps")},
+    # Negative: clip_grad_norm_ flips every gradient (ascent). 0 is "off", as in transformers' Trainer.
+    "max_grad_norm": (lambda x: x >= 0, "must be >= 0 (0 or null: no clipping)"),
+    "adam_eps": (lambda x: x > 0, "must be > 0"),
+    **{name: (lambda x: 0 <= x < 2 ** 32, "must be in [0, 2**32)") for name in ("seed", "eval_seed")},
     "top_p": (lambda x: 0 < x <= 1, "must be in (0, 1]"),
     "lora_dropout": (lambda x: 0 <= x < 1, "must be in [0, 1)"),
 }
@@ -134,6 +139,8 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for key, value in data.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"config key {prefix}{key!r}: keys are names, not {type(key).__name__}s")
         if key not in fields:
             raise ConfigError(f"unknown config key {prefix + key!r}{_nearest(key, list(fields))}")
         kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}")
@@ -188,7 +195,11 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            data = _load_yaml(path.read_text()) or {}
+            data = _load_yaml(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: a YAML alias refers to itself (a recursive structure)") from None
         except ConfigError as e:  # a duplicate key: "<file>:<line>: key ... is written twice"
             raise ConfigError(f"{path}:{str(e).removeprefix('line ')}") from None
         except yaml.YAMLError as e:

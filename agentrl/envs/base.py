@@ -49,6 +49,7 @@ row ends with EOS, as an episode does. Draw choices from `rng` so that the set i
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import sys
@@ -98,8 +99,9 @@ OPTIONAL_MEMBERS: dict[str, Any] = {  # name: what an environment without it get
 
 
 def env_option(env, name: str) -> Any:
-    """One of the protocol's optional members (OPTIONAL_MEMBERS) of `env`, or its default."""
-    return getattr(env, name, OPTIONAL_MEMBERS[name])
+    """One of the protocol's optional members (OPTIONAL_MEMBERS) of `env`, or its default. A property that
+    raises (sys.exit included) is an error naming the class and the member."""
+    return _user_call(getattr, f"{type(env).__name__}.{name}", env, name, OPTIONAL_MEMBERS[name])
 
 
 @dataclass
@@ -122,13 +124,20 @@ def load_object(spec: str) -> Any:
     if not module_name or not attr:
         raise ValueError(f"cannot load {spec!r}: expected 'package.module:ClassName'")
     # So `agentrl ... env.name=my_env:MyEnv` finds ./my_env.py; appended, not put first, so that a file in the
-    # working directory named like an installed package (peft.py, datasets.py) never shadows the package.
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
+    # working directory named like an installed package (peft.py, datasets.py) never shadows the package, and
+    # only while the user's module imports: a library's later `try: import bitsandbytes` must not find a
+    # ./bitsandbytes.py of the user's when that optional package is not installed.
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.append(cwd)
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(f"cannot load {spec!r}: module {module_name!r} not importable ({e})") from e
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
     try:
         return getattr(module, attr)
     except AttributeError:
@@ -159,7 +168,8 @@ def make_env(spec: str | type, kwargs: dict | None = None) -> Environment:
     """Instantiate an environment from a class or a `"module:Class"` spec and check it has the protocol."""
     cls = load_object(spec) if isinstance(spec, str) else spec
     env = _user_call(cls, f"{getattr(cls, '__name__', cls)}(**{kwargs or {}})", **(kwargs or {}))
-    missing = [name for name in ("reset", "step", "stop_patterns", "max_turns") if not hasattr(env, name)]
+    missing = [name for name in ("reset", "step", "stop_patterns", "max_turns")
+               if not _user_call(hasattr, f"{type(env).__name__}.{name}", env, name)]
     if missing:
         raise TypeError(f"environment {spec!r} lacks {', '.join(missing)} (see agentrl.envs.base)")
     check_attributes(env)
@@ -202,12 +212,14 @@ def _within(timeout: float | None, fn: Callable, *args) -> Any:
 
 def _user_call(fn: Callable, where: str, *args, **kwargs) -> Any:
     """fn(*args, **kwargs); what the user's code raises (sys.exit included) becomes an EnvironmentContractError
-    naming `where`. Our own errors (agentrl's exception classes, a stop signal) pass through: they say where."""
+    naming `where`: any BaseException (KeyboardInterrupt, GeneratorExit, a class of the user's own), since none of
+    them may end a job silently or with a traceback. Our own errors (agentrl's exception classes, a stop signal)
+    pass through: they say where."""
     try:
         return fn(*args, **kwargs)
     except SignalExit:
         raise
-    except (Exception, SystemExit) as e:
+    except BaseException as e:
         if type(e).__module__.startswith("agentrl."):
             raise
         raise EnvironmentContractError(f"{where} raised {type(e).__name__}: {e}"[:500]) from e
@@ -215,7 +227,9 @@ def _user_call(fn: Callable, where: str, *args, **kwargs) -> Any:
 
 def check_attributes(env) -> None:
     """max_turns a positive integer, stop_patterns a sequence of regexes."""
-    name, turns, stops = type(env).__name__, env.max_turns, env.stop_patterns
+    name = type(env).__name__
+    turns = _user_call(getattr, f"{name}.max_turns", env, "max_turns")
+    stops = _user_call(getattr, f"{name}.stop_patterns", env, "stop_patterns")
     if isinstance(turns, bool) or not isinstance(turns, int) or turns < 1:
         raise EnvironmentContractError(f"{name}.max_turns must be an integer >= 1, got {_shown(turns)}")
     if isinstance(stops, str) or not isinstance(stops, (tuple, list)) or not all(isinstance(p, str) for p in stops):
@@ -251,10 +265,31 @@ def checked_step(env, action: str, timeout: float | None = None) -> StepResult:
         problem = f"its done is {_shown(result.done)} (True or False)"
     elif not isinstance(result.info, dict):
         problem = f"its info is {_shown(result.info)} (a dict)"
+    else:
+        problem = _info_problem(result.info)
     if problem:
         raise EnvironmentContractError(f"{type(env).__name__}.step must return StepResult(observation, reward, done, "
                                        f"info); {problem}")
     return result
+
+
+INFO_COUNTS = ("tool_calls", "format_errors", "tool_failures", "malformed_calls")  # summed into the step's metrics
+
+
+def _info_problem(info: dict) -> str | None:
+    """What in a step's info the metrics and samples.jsonl cannot take, or None: `correct` is counted as
+    accuracy and the counts are summed, so a string there would be read wrongly; info is written as JSON."""
+    correct = info.get("correct", False)
+    if type(correct).__name__ not in ("bool", "bool_") and not (type(correct) is int and correct in (0, 1)):
+        return f"its info['correct'] is {_shown(info['correct'])} (True or False)"
+    for key in INFO_COUNTS:
+        if key in info and (isinstance(info[key], bool) or not _is_number(info[key])):
+            return f"its info[{key!r}] is {_shown(info[key])} (a number)"
+    try:
+        json.dumps(info, default=str)
+    except (TypeError, ValueError, RecursionError) as e:  # non-string keys, a cycle, deep nesting
+        return f"its info cannot be written as JSON ({str(e)[:80]})"
+    return None
 
 
 def _is_number(x: Any) -> bool:

@@ -14,7 +14,7 @@ import re
 MAX_LENGTH = 200
 MAX_EXPONENT = 64
 MAX_MAGNITUDE = 1e30
-_ALLOWED_CHARS = re.compile(r"^[0-9+\-*/%(). ]*$")
+_ALLOWED_CHARS = re.compile(r"[0-9+\-*/%(). ]*")  # fullmatch: `$` would also match before a final newline
 _LEADING_ZEROS = re.compile(r"(?<![\d.])0+(?=\d)")
 
 _BINOPS = {
@@ -72,8 +72,8 @@ def safe_eval(expression: str, max_operations: int | None = None) -> int | float
         raise CalculatorError(f"expression longer than {MAX_LENGTH} characters")
     if not expression.strip():
         raise CalculatorError("empty expression")
-    if not _ALLOWED_CHARS.match(expression):
-        bad = next(c for c in expression if not _ALLOWED_CHARS.match(c))
+    if not _ALLOWED_CHARS.fullmatch(expression):
+        bad = next(c for c in expression if not _ALLOWED_CHARS.fullmatch(c))
         raise CalculatorError(f"character {bad!r} is not allowed")
     # Models sometimes write "779 - 04"; Python rejects leading zeros, a calculator need not.
     expression = _LEADING_ZEROS.sub("", expression)

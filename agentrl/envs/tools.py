@@ -97,12 +97,17 @@ def parse_hermes_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
             continue
         try:
             obj = json.loads(body)
-        except json.JSONDecodeError as e:
-            errors.append(f"tool call is not valid JSON ({e.msg})")
+        except (ValueError, RecursionError) as e:  # bad JSON, a 4,300+ digit int, deep nesting
+            errors.append(f"tool call is not valid JSON ({_json_problem(e)})")
             continue
         parsed = _call_from_object(obj, "arguments")
         (calls if isinstance(parsed, ToolCall) else errors).append(parsed)
     return calls, errors
+
+
+def _json_problem(e: Exception) -> str:
+    """What is wrong with model-written JSON: the decoder's message, or the limit it ran into."""
+    return getattr(e, "msg", None) or ("nested too deeply" if isinstance(e, RecursionError) else str(e)[:100])
 
 
 def _call_from_object(obj, key: str, id_pattern: re.Pattern | None = None) -> ToolCall | str:
@@ -113,7 +118,7 @@ def _call_from_object(obj, key: str, id_pattern: re.Pattern | None = None) -> To
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             pass
     if not isinstance(arguments, dict):
         return f"{key} of {obj['name']!r} must be an object"
@@ -136,8 +141,8 @@ def parse_llama3_json_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
     while position < len(body):
         try:
             obj, position = decoder.raw_decode(body, position)
-        except json.JSONDecodeError as e:
-            return [], [f"tool call is not valid JSON ({e.msg})"]
+        except (ValueError, RecursionError) as e:  # bad JSON, a 4,300+ digit int, deep nesting
+            return [], [f"tool call is not valid JSON ({_json_problem(e)})"]
         objects.append(obj)
         rest = body[position:].lstrip()
         if rest.startswith(";"):
@@ -167,8 +172,8 @@ def parse_mistral_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
     body = text.split("[TOOL_CALLS]", 1)[1].strip()
     try:
         obj = json.loads(body)
-    except json.JSONDecodeError as e:
-        return [], [f"tool call is not valid JSON ({e.msg})"]
+    except (ValueError, RecursionError) as e:  # bad JSON, a 4,300+ digit int, deep nesting
+        return [], [f"tool call is not valid JSON ({_json_problem(e)})"]
     calls, errors = [], []
     for item in obj if isinstance(obj, list) else [obj]:
         parsed = _call_from_object(item, "arguments", _MISTRAL_ID)
@@ -341,7 +346,7 @@ class ToolRunner:
             return f"Error: {name} raised {type(result).__name__}: {result}"[: self.max_chars], False
         try:
             text = result if isinstance(result, str) else json.dumps(result, default=str)
-        except (TypeError, ValueError) as e:  # e.g. a dict with non-string keys of mixed types, a cycle
+        except Exception as e:  # non-string keys of mixed types, a cycle, deep nesting, a __str__ that raises
             return f"Error: {name} returned a {type(result).__name__} that is not JSON ({e})"[: self.max_chars], False
         if len(text) > self.max_chars:
             text = text[: self.max_chars] + " ...[truncated]"
@@ -356,8 +361,8 @@ class ToolRunner:
         if raw.startswith("{"):
             try:
                 return ToolCall(name, json.loads(raw))
-            except json.JSONDecodeError as e:
-                return f"arguments are not valid JSON ({e.msg})"
+            except (ValueError, RecursionError) as e:  # bad JSON, a 4,300+ digit int, deep nesting
+                return f"arguments are not valid JSON ({_json_problem(e)})"
         required = self.schemas.get(name, {}).get("function", {}).get("parameters", {}).get("required", [])
         if name in self.schemas and len(required) == 1:
             return ToolCall(name, {required[0]: raw.strip("\"'")})

@@ -361,6 +361,16 @@ def add_lora(model, model_cfg: ModelSection):
     if not model_cfg.lora:
         return model
     extra = norm_module_names(model, model_cfg.train_norms) if model_cfg.train_norms else None
+    import torch
+
+    # peft's own error for a name that matches nothing is a traceback from deep inside it
+    linear = [name for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"]
+    names = sorted({name.rsplit(".", 1)[-1] for name in linear})
+    missing = [m for m in model_cfg.target_modules if not any(n == m or n.endswith(f".{m}") for n in linear)]
+    if not model_cfg.target_modules or missing:
+        raise ConfigError(f"model.target_modules: {missing or '[]'} not among {type(model).__name__}'s linear "
+                          f"layers ({', '.join(names)})")
     model = get_peft_model(model, LoraConfig(r=model_cfg.lora_r, lora_alpha=model_cfg.lora_alpha,
                                              lora_dropout=model_cfg.lora_dropout, bias="none",
                                              target_modules=list(model_cfg.target_modules), task_type="CAUSAL_LM",

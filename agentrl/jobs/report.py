@@ -20,6 +20,7 @@ import math
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 from agentrl.checkpoint import write_text_atomically
@@ -79,11 +80,48 @@ def load_run(run_dir: str | Path) -> dict:
             metrics.append({**row, "step": offset + row.get("step", 0)})
         offset += max((r.get("step", 0) for r in rows), default=0)
     samples = read_jsonl(run / "samples.jsonl") if (run / "samples.jsonl").exists() else []
+    samples = _well_formed(samples, run / "samples.jsonl")
     _add_mismatch(metrics, samples)
     if not (summary or metrics or samples):
         raise RunDirError(f"{run}: no summary.json, metrics.jsonl or samples.jsonl to report on (is it the "
                           f"out_dir of a ppo, grpo or dpo job?)")
     return {"dir": run, "name": run.name, "summary": summary, "metrics": metrics, "samples": samples}
+
+
+def _numbers(value) -> bool:
+    return isinstance(value, list) and all(x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
+                                           for x in value)
+
+
+def _sample_problem(row) -> str | None:
+    """What keeps a samples.jsonl row from being drawn, or None (the files are ours, but a report must not
+    fall over on one that was edited or written by other code)."""
+    if not isinstance(row, dict):
+        return f"a {type(row).__name__}, not an object"
+    kind, step = row.get("kind", "episode"), row.get("step", 0)
+    if not isinstance(kind, str) or isinstance(step, bool) or not isinstance(step, int):
+        return "'kind' must be a string and 'step' an integer"
+    if kind == "episode":
+        if any(k in row and not _numbers(row[k]) for k in ("logprobs", "trainer_logprobs")):
+            return "'logprobs' / 'trainer_logprobs' must be lists of numbers"
+        if row.get("trainer_logprobs") and "logprobs" not in row:
+            return "'trainer_logprobs' without 'logprobs'"
+        return None
+    sides = ("chosen", "rejected") if kind == "pair" else ("a", "b")
+    if not all(isinstance(row.get(x), dict) for x in sides):
+        return f"a {kind!r} row needs objects {sides[0]!r} and {sides[1]!r}"
+    return None
+
+
+def _well_formed(samples: list, path: Path) -> list[dict]:
+    kept = []
+    for i, row in enumerate(samples, 1):
+        problem = _sample_problem(row)
+        if problem is None:
+            kept.append(row)
+        else:
+            warnings.warn(f"{path}: row {i} skipped: {problem}", stacklevel=2)
+    return kept
 
 
 def _add_mismatch(metrics: list[dict], samples: list[dict]) -> None:

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from agentrl.envs.base import (INFRA_FAILURE, Environment, EnvTimeout, StepResult, check_attributes,
+from agentrl.envs.base import (INFRA_FAILURE, Environment, EnvTimeout, StepResult, _user_call, check_attributes,
                                checked_reset, checked_step, env_option)
 from agentrl.errors import UserError
 from agentrl.rollout.sampling import KVState, Sample, SamplingParams, sample_batch
@@ -102,7 +102,7 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
     envs = [env_factory() for _ in tasks]
     for env in envs:
         if env_option(env, "bind_tokenizer") is not None:
-            env.bind_tokenizer(tokenizer)
+            _user_call(env.bind_tokenizer, f"{type(env).__name__}.bind_tokenizer", tokenizer)
     if not envs:
         return []
     check_attributes(envs[0])  # a factory of the user's own may not go through make_env, which checks this too
@@ -113,7 +113,8 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
     limit = context_limit(model, params)
     timeout = env_option(envs[0], "step_timeout")
     episodes = _start_episodes(envs, tasks, tokenizer, limit, timeout, value_head is not None)
-    max_turns, stop_patterns = envs[0].max_turns, tuple(envs[0].stop_patterns)
+    max_turns, stop_patterns = _user_call(lambda: (envs[0].max_turns, tuple(envs[0].stop_patterns)),
+                                          f"{type(envs[0]).__name__}.max_turns / stop_patterns")
     kv, cached, previous = (KVState() if params.reuse_kv and sampler is None else None), [0] * len(episodes), []
     for turn in range(max_turns):
         live = [i for i, ep in enumerate(episodes) if not ep.done]
@@ -152,7 +153,8 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
                 _append_observation(episodes[i], tokenizer, result.observation, limit, params.max_observation_tokens)
     for ep, env in zip(episodes, envs):  # so preference rows can be written as messages, not template text
         if env_option(env, "messages") is not None:
-            ep.messages, ep.tools = list(env.messages), env_option(env, "schemas")
+            ep.messages = _user_call(lambda: list(env.messages), f"{type(env).__name__}.messages")
+            ep.tools = env_option(env, "schemas")
             ep.chat_template_kwargs = env_option(env, "chat_template_kwargs") or None
     return episodes
 
@@ -161,7 +163,7 @@ def _start_episodes(envs: list, tasks: list[dict], tokenizer, limit: int | None,
                     with_values: bool) -> list[Episode]:
     """One episode per task from env.reset(task): its prompt ids, checked against the context budget."""
     episodes = []
-    for k, (env, task) in enumerate(zip(envs, tasks)):
+    for env, task in zip(envs, tasks):
         try:
             prompt = checked_reset(env, task, timeout)
         except EnvTimeout as e:  # no prompt: an episode of no turns, left out of the loss
@@ -169,12 +171,12 @@ def _start_episodes(envs: list, tasks: list[dict], tokenizer, limit: int | None,
                                                [tokenizer.eos_token_id], done=True), env, "reset", e))
             continue
         if limit is not None and len(prompt) > _MAX_CHARS_PER_TOKEN * limit:  # not worth tokenizing
-            raise ContextError(f"task {k} ({str(task.get('question', task))[:60]!r}): its prompt is {len(prompt)} "
+            raise ContextError(f"a task ({str(task.get('question', task))[:60]!r}): its prompt is {len(prompt)} "
                                f"characters, far over the {limit} tokens an episode may hold (rollout.max_context)")
         episodes.append(Episode(task=task, prompt_ids=encode_prompt(tokenizer, prompt),
                                 values=[] if with_values else None))
         if limit is not None and len(episodes[-1].prompt_ids) >= limit:
-            raise ContextError(f"task {k} ({str(task.get('question', task))[:60]!r}): its prompt is "
+            raise ContextError(f"a task ({str(task.get('question', task))[:60]!r}): its prompt is "
                                f"{len(episodes[-1].prompt_ids)} tokens, and an episode may hold {limit} "
                                f"(rollout.max_context; default: the model's max_position_embeddings)")
     return episodes

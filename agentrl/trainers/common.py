@@ -198,7 +198,7 @@ def guarded_step(accelerator, model: torch.nn.Module, optimizer, loss: torch.Ten
     if accelerator.sync_gradients and not all_finite(accelerator, grads_finite(model)):  # FSDP: per-shard check
         nonfinite += 1
         optimizer.zero_grad(set_to_none=True)  # no gradient left: the step changes nothing
-    if accelerator.sync_gradients and max_grad_norm is not None:
+    if accelerator.sync_gradients and max_grad_norm:  # None or 0: no clipping (transformers' Trainer's 0)
         accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     return nonfinite

@@ -294,6 +294,12 @@ class GRPOTrainer:
         # Episodes that failed outside the policy: out of the group baselines and (mask 0) out of the loss.
         valid = torch.tensor([not ep.infra_failure for ep in episodes])
         advantages = self.advantages(scores, None if valid.all() else valid)
+        # A NaN or infinite score would otherwise become advantage 0 (its group's std is not > 0) and vanish: as in
+        # PPO, it makes the loss of its mini-batch non-finite, so that step is skipped and counted
+        # (train/skipped_nonfinite; max_nonfinite_steps in a row stop the run).
+        bad = ~torch.isfinite(scores) & valid
+        if bad.any():
+            advantages = torch.where(bad, torch.full_like(advantages, float("nan")), advantages)
         full = episodes_to_batch(episodes, self.tokenizer.pad_token_id)
         check_batch(episodes, full)
         mask_infra_failures(episodes, full)

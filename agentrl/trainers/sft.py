@@ -329,7 +329,7 @@ class SFTTrainer:
             with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
                 loss = sft_loss(model, batches.next())
             loss.backward()
-            if cfg.max_grad_norm is not None:
+            if cfg.max_grad_norm:  # None or 0: no clipping
                 torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             optimizer.step()
             schedule.step()

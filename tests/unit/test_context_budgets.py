@@ -64,7 +64,7 @@ def test_max_context_and_observation_budget(tiny_base):
 
 
 def test_a_prompt_over_the_context_is_one_error_naming_the_task(tiny_base):
-    with pytest.raises(ContextError, match=r"task 1 \('Question: What is .*'\): its prompt is \d+ tokens, and an "
+    with pytest.raises(ContextError, match=r"a task \('Question: What is .*'\): its prompt is \d+ tokens, and an "
                                            r"episode may hold 256"):
         run(tiny_base, Chatty, [{"question": "Question: What is 1 + 1?\n"},
                                 {"question": "Question: What is " + "1 + " * 400 + "1?\n"}])
