@@ -34,6 +34,9 @@ class BaseModelConfig:
     seed: int = 0
 
 
+MAX_TOKENIZER_TEXT = 4096  # characters of one text that the tokenizer is trained on
+
+
 def build_tokenizer(texts: list[str], vocab_size: int, extra_special: tuple[str, ...] = (),
                     chat_template: str | None = None) -> PreTrainedTokenizerFast:
     """Byte-level BPE with every digit its own token (so numbers copy digit by digit), BOS/EOS/PAD distinct."""
@@ -46,7 +49,9 @@ def build_tokenizer(texts: list[str], vocab_size: int, extra_special: tuple[str,
         vocab_size=vocab_size, special_tokens=[PAD, BOS, EOS, *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
-    tok.train_from_iterator(texts, trainer=trainer)
+    # BPE training time grows with the square of a word's length: one 2 MB row of a user's data would take
+    # hours. Demonstrations are a few hundred characters; the cap only ever touches rows no demonstration has.
+    tok.train_from_iterator((text[:MAX_TOKENIZER_TEXT] for text in texts), trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
     )
