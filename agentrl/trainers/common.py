@@ -860,3 +860,14 @@ def finite_or_raise(model: torch.nn.Module) -> None:
     bad = [n for n, p in model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
     if bad:
         raise RuntimeError(f"refusing to save: non-finite values in {bad[:3]}")
+
+
+def check_log_with(log_with: str | None) -> None:
+    """`log_with` names one of accelerate's trackers (accelerate's own error is a traceback at trainer set-up)."""
+    from accelerate.utils import LoggerType
+
+    from agentrl.errors import UserError
+
+    known = [t.value for t in LoggerType]
+    if log_with is not None and log_with not in known:
+        raise UserError(f"log_with: {log_with!r} is not one of accelerate's trackers ({', '.join(known)}), or None")

@@ -25,7 +25,7 @@ from agentrl.algos.losses import tis_weights
 from agentrl.rollout.engine import Episode, rollout
 from agentrl.rollout.sampling import SamplingParams
 from agentrl.samples import SamplesLog
-from agentrl.trainers.common import (FAST, MetricsLog, TokenBatch, check_batch, default_pad_token, end_of_step,
+from agentrl.trainers.common import (FAST, check_log_with, MetricsLog, TokenBatch, check_batch, default_pad_token, end_of_step,
                                      episodes_to_batch, eval_mode, gathered_for_generation, global_logprob_mismatch,
                                      global_token_scale, guarded_step, load_trainer_checkpoint, load_trainer_state,
                                      logprob_mismatch, make_accelerator, mask_infra_failures, masked_logprobs,
@@ -77,6 +77,7 @@ class GRPOConfig:
     # (rollout.backend: vllm; 2.0 is the paper's C). None: off
 
     def __post_init__(self):
+        check_log_with(self.log_with)
         if self.tis_clip is not None and self.tis_clip <= 0:
             raise ValueError(f"tis_clip must be > 0 (or None: off), got {self.tis_clip}")
         for name in ("tasks_per_step", "num_generations", "num_iterations", "mini_batch_size",

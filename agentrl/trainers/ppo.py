@@ -29,7 +29,7 @@ from agentrl.models.value_head import AutoModelForCausalLMWithValueHead, create_
 from agentrl.rollout.engine import Episode, rollout
 from agentrl.rollout.sampling import SamplingParams
 from agentrl.samples import SamplesLog
-from agentrl.trainers.common import (FAST, MetricsLog, TokenBatch, by_length, check_batch, checkpoint_activations,
+from agentrl.trainers.common import (FAST, check_log_with, MetricsLog, TokenBatch, by_length, check_batch, checkpoint_activations,
                                      common_prefix_logprobs, default_pad_token, end_of_step, episodes_to_batch,
                                      eval_mode, gathered_for_generation, global_logprob_mismatch,
                                      global_masked_moments, global_token_scale, guarded_step, lm_logprobs,
@@ -110,6 +110,7 @@ class PPOConfig:
     # its rewards (score and KL terms) summed (algos.turn_gae); "token": TRL's GAE over every sampled token
 
     def __post_init__(self):
+        check_log_with(self.log_with)
         # Checked here, not only in the job's config: PPOConfig(cliprange=float("nan")) built in code must fail too.
         # A comparison with NaN is False, so NaN fails every one of these.
         for name, low, high in (("learning_rate", 0, math.inf), ("cliprange", 0, math.inf),

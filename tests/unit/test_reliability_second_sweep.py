@@ -219,3 +219,12 @@ def test_one_huge_row_does_not_stall_the_embedded_tokenizer():
     worker.start()
     worker.join(60)
     assert built, "building a tokenizer over one 2 MB row did not finish in 60 s"
+
+
+def test_an_unknown_tracker_is_named_at_the_config():
+    from agentrl.jobs.ppo import JobConfig
+
+    for section in ("ppo", "grpo"):
+        with pytest.raises(ConfigError, match=f"{section}.log_with: 'nonsense' is not one of accelerate's trackers"):
+            load_config(JobConfig, None, [f"{section}.log_with=nonsense"])
+    assert load_config(JobConfig, None, ["ppo.log_with=tensorboard"]).ppo.log_with == "tensorboard"
