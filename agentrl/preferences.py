@@ -98,6 +98,11 @@ def tokenize_row(row: dict, tokenizer, where: str, max_length: int, max_prompt_l
         raise PreferenceDataError(f"{where}: field 'chat_template_kwargs' must be an object")
     prompt_messages = None
     if isinstance(prompt, list):
+        if not prompt:
+            raise PreferenceDataError(f"{where}: field 'prompt' is an empty list of messages")
+        for k, m in enumerate(prompt):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise PreferenceDataError(f"{where}: field 'prompt' message {k} needs string 'role' and 'content'")
         prompt_messages = prompt
         if getattr(tokenizer, "chat_template", None):
             from agentrl.envs.chat import render

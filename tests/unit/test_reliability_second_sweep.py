@@ -228,3 +228,14 @@ def test_an_unknown_tracker_is_named_at_the_config():
         with pytest.raises(ConfigError, match=f"{section}.log_with: 'nonsense' is not one of accelerate's trackers"):
             load_config(JobConfig, None, [f"{section}.log_with=nonsense"])
     assert load_config(JobConfig, None, ["ppo.log_with=tensorboard"]).ppo.log_with == "tensorboard"
+
+
+@pytest.mark.parametrize("prompt", [[{"role": "user"}], [], [{"role": "user", "content": 3}]])
+def test_a_pairs_prompt_message_without_content_is_named(prompt):
+    from agentrl.preferences import PreferenceDataError, tokenize_row
+
+    from fake_tokenizer import FakeTokenizer as Tok
+
+    row = {"prompt": prompt, "chosen": "Answer: 1", "rejected": "Answer: 2"}
+    with pytest.raises(PreferenceDataError, match=r"pairs.jsonl line 1: field 'prompt'"):
+        tokenize_row(row, Tok(), "pairs.jsonl line 1", max_length=64, max_prompt_length=32)
