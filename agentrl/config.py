@@ -182,6 +182,25 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+MAX_CONFIG_VALUES = 100_000  # a config file expands to far fewer; aliases nested 9 deep expand to a billion
+
+
+def _too_many_values(data) -> bool:
+    """Whether `data`, walked as the config code will copy it (aliases expanded), holds too many values: counted
+    up to the bound, so the walk itself stays short."""
+    count, stack = 0, [data]
+    while stack:
+        value = stack.pop()
+        count += 1
+        if count > MAX_CONFIG_VALUES:
+            return True
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return False
+
+
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None,
                 command: dict | None = None) -> T:
     """Load `cls` from a YAML file (or its defaults when `path` is None) and apply overrides.
@@ -206,6 +225,9 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             raise ConfigError(f"{path}: not valid YAML ({e})") from e
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of config keys")
+        if _too_many_values(data):
+            raise ConfigError(f"{path}: more than {MAX_CONFIG_VALUES:,} values once its YAML aliases are expanded "
+                              f"(an alias bomb?)")
     data = apply_overrides(data, overrides or [])
     for key, value in (command or {}).items():
         if data.get(key, value) != value:

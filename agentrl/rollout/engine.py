@@ -161,8 +161,10 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
 
 def _start_episodes(envs: list, tasks: list[dict], tokenizer, limit: int | None, timeout: float | None,
                     with_values: bool) -> list[Episode]:
-    """One episode per task from env.reset(task): its prompt ids, checked against the context budget."""
-    episodes = []
+    """One episode per task from env.reset(task): its prompt ids, checked against the context budget. A task whose
+    prompt does not fit ends unplayed, left out of the loss and counted (env/context_cut_rate), so one over-long
+    task cannot end a long run; when no task of the batch fits, that is an error naming the first."""
+    episodes, over = [], []
     for env, task in zip(envs, tasks):
         try:
             prompt = checked_reset(env, task, timeout)
@@ -170,15 +172,27 @@ def _start_episodes(envs: list, tasks: list[dict], tokenizer, limit: int | None,
             episodes.append(_timed_out(Episode(task=task, prompt_ids=encode_prompt(tokenizer, "") or
                                                [tokenizer.eos_token_id], done=True), env, "reset", e))
             continue
+        problem, ids = None, None
         if limit is not None and len(prompt) > _MAX_CHARS_PER_TOKEN * limit:  # not worth tokenizing
-            raise ContextError(f"a task ({str(task.get('question', task))[:60]!r}): its prompt is {len(prompt)} "
-                               f"characters, far over the {limit} tokens an episode may hold (rollout.max_context)")
-        episodes.append(Episode(task=task, prompt_ids=encode_prompt(tokenizer, prompt),
-                                values=[] if with_values else None))
-        if limit is not None and len(episodes[-1].prompt_ids) >= limit:
-            raise ContextError(f"a task ({str(task.get('question', task))[:60]!r}): its prompt is "
-                               f"{len(episodes[-1].prompt_ids)} tokens, and an episode may hold {limit} "
-                               f"(rollout.max_context; default: the model's max_position_embeddings)")
+            problem = f"its prompt is {len(prompt)} characters, far over the {limit} tokens an episode may hold " \
+                      f"(rollout.max_context)"
+        else:
+            ids = encode_prompt(tokenizer, prompt)
+            if limit is not None and len(ids) >= limit:
+                problem = f"its prompt is {len(ids)} tokens, and an episode may hold {limit} (rollout.max_context; " \
+                          f"default: the model's max_position_embeddings)"
+        if problem:
+            over.append(f"a task ({str(task.get('question', task))[:60]!r}): {problem}")
+            ep = Episode(task=task, prompt_ids=encode_prompt(tokenizer, "") or [tokenizer.eos_token_id], done=True)
+            ep.info = {INFRA_FAILURE: True, "context_exceeded": True}
+            episodes.append(ep)
+            continue
+        episodes.append(Episode(task=task, prompt_ids=ids, values=[] if with_values else None))
+    if over and len(over) == len(episodes):
+        raise ContextError(over[0] + (f" (and the other {len(over) - 1} tasks of the batch)" if len(over) > 1 else ""))
+    if over:
+        warnings.warn(f"{len(over)} of {len(episodes)} tasks do not fit the context and end unplayed, left out of "
+                      f"the loss (env/context_cut_rate): {over[0]}", stacklevel=3)
     return episodes
 
 

@@ -63,10 +63,14 @@ def test_max_context_and_observation_budget(tiny_base):
     assert len(episodes[0].prompt_ids) + len(episodes[0].token_ids) <= 120 and episodes[0].info["context_exceeded"]
 
 
-def test_a_prompt_over_the_context_is_one_error_naming_the_task(tiny_base):
-    with pytest.raises(ContextError, match=r"a task \('Question: What is .*'\): its prompt is \d+ tokens, and an "
-                                           r"episode may hold 256"):
-        run(tiny_base, Chatty, [{"question": "Question: What is 1 + 1?\n"},
-                                {"question": "Question: What is " + "1 + " * 400 + "1?\n"}])
+def test_a_prompt_over_the_context_ends_unplayed_and_a_batch_of_them_is_one_error(tiny_base):
+    with pytest.warns(UserWarning, match=r"1 of 2 tasks do not fit the context .* a task \('Question: What is .*'\): "
+                                         r"its prompt is \d+ tokens, and an episode may hold 256"):
+        _, _, episodes = run(tiny_base, Chatty, [{"question": "Question: What is 1 + 1?\n"},
+                                                 {"question": "Question: What is " + "1 + " * 400 + "1?\n"}])
+    assert episodes[0].num_turns >= 1 and not episodes[0].infra_failure
+    assert episodes[1].num_turns == 0 and episodes[1].infra_failure and episodes[1].info["context_exceeded"]
+    with pytest.raises(ContextError, match=r"a task \('Question: What is .*'\): its prompt is \d+ tokens"):
+        run(tiny_base, Chatty, [{"question": "Question: What is " + "1 + " * 400 + "1?\n"}])
     with pytest.raises(ContextError, match=r"its prompt is 2000000 characters, far over the 256 tokens"):
         run(tiny_base, Chatty, [{"question": "y" * 2_000_000}])

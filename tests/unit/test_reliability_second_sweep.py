@@ -239,3 +239,14 @@ def test_a_pairs_prompt_message_without_content_is_named(prompt):
     row = {"prompt": prompt, "chosen": "Answer: 1", "rejected": "Answer: 2"}
     with pytest.raises(PreferenceDataError, match=r"pairs.jsonl line 1: field 'prompt'"):
         tokenize_row(row, Tok(), "pairs.jsonl line 1", max_length=64, max_prompt_length=32)
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
+    from agentrl.jobs.ppo import JobConfig
+
+    lines = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("env:\n  tasks_kwargs:\n" + "".join(f"    {line}\n" for line in lines))
+    with pytest.raises(ConfigError, match="alias bomb"):
+        load_config(JobConfig, bomb)
