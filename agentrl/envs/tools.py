@@ -344,8 +344,8 @@ class ToolRunner:
             return f"Error: {result}"[: self.max_chars], False
         if status == "raised":
             return f"Error: {name} raised {type(result).__name__}: {result}"[: self.max_chars], False
-        try:
-            text = result if isinstance(result, str) else json.dumps(result, default=str)
+        try:  # str(): a str subclass of the tool's own may override len, slicing, ...
+            text = str.__str__(result) if isinstance(result, str) else json.dumps(result, default=str)
         except Exception as e:  # non-string keys of mixed types, a cycle, deep nesting, a __str__ that raises
             return f"Error: {name} returned a {type(result).__name__} that is not JSON ({e})"[: self.max_chars], False
         if len(text) > self.max_chars:

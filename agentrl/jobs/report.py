@@ -82,7 +82,7 @@ def load_run(run_dir: str | Path) -> dict:
     samples = read_jsonl(run / "samples.jsonl") if (run / "samples.jsonl").exists() else []
     samples = _well_formed(samples, run / "samples.jsonl")
     _add_mismatch(metrics, samples)
-    if not (summary or metrics or samples):
+    if not (summary or metrics or samples or (run / "samples.jsonl").exists()):
         raise RunDirError(f"{run}: no summary.json, metrics.jsonl or samples.jsonl to report on (is it the "
                           f"out_dir of a ppo, grpo or dpo job?)")
     return {"dir": run, "name": run.name, "summary": summary, "metrics": metrics, "samples": samples}

@@ -126,7 +126,7 @@ def _state_to_resume(out_dir: Path, resume: str | None, config: dict) -> dict | 
     now = _flatten(config)
     if isinstance(now.get("steps"), int) and now["steps"] < step:  # before anything is evaluated or rewritten
         raise UserError(f"resume={resume or 'auto'}: steps={now['steps']}, but {path.name} is at step {step}; "
-                        f"give steps >= {step} to continue it, or start fresh in another out_dir")
+                        f"give steps > {step} to train further, or start fresh in another out_dir")
     state = read_checkpoint(path)
     saved = _flatten(((state.get("job") or {}).get("config")) or {})
     differ = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and k not in EXTENDABLE_KEYS)

@@ -250,3 +250,29 @@ def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
     bomb.write_text("env:\n  tasks_kwargs:\n" + "".join(f"    {line}\n" for line in lines))
     with pytest.raises(ConfigError, match="alias bomb"):
         load_config(JobConfig, bomb)
+
+
+def test_a_str_subclass_result_that_breaks_len_is_shown_as_text():
+    from agentrl.envs.tools import ToolCall, ToolRunner
+
+    class Odd(str):
+        def __len__(self):
+            raise RuntimeError("len boom")
+
+    def odd(x: str) -> str:
+        """A tool returning a str subclass.
+
+        Args:
+            x: anything
+        """
+        return Odd("hi")
+
+    assert ToolRunner([odd], timeout=3)(ToolCall("odd", {"x": "1"})) == ("hi", True)
+
+
+def test_a_run_whose_sample_rows_are_all_skipped_still_reports(tmp_path):
+    from agentrl.jobs.report import load_run
+
+    (tmp_path / "samples.jsonl").write_text(json.dumps({"kind": "episode", "step": 1, "trainer_logprobs": [-1.0]}) + "\n")
+    with pytest.warns(UserWarning, match="row 1 skipped"):
+        assert load_run(tmp_path)["samples"] == []
