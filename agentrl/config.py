@@ -57,7 +57,8 @@ RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
         "learning_rate", "norm_learning_rate", "value_learning_rate", "temperature")},
     **{name: (lambda x: x >= 1, "must be >= 1") for name in (
         "max_new_tokens", "keep_checkpoints", "sample_every", "lora_r", "lora_alpha", "max_context",
-        "max_observation_tokens")},
+        "max_observation_tokens", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+        "max_position_embeddings", "vocab_size")},
     **{name: (lambda x: x >= 0, "must be >= 0") for name in (
         "steps", "top_k", "checkpoint_every", "samples_per_step", "max_nonfinite_steps", "step_timeout",
         "weight_decay", "warmup_steps")},
@@ -144,6 +145,9 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
         if key not in fields:
             raise ConfigError(f"unknown config key {prefix + key!r}{_nearest(key, list(fields))}")
         kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}")
+        if key == "out_dir" and isinstance(kwargs[key], str) and not kwargs[key].strip():
+            raise ConfigError(f"{prefix}out_dir: must name a directory (empty: the job would write, and a fresh "
+                              f"start delete, ./checkpoints of the working directory)")
         if key in RANGES and isinstance(kwargs[key], (int, float)) and not isinstance(kwargs[key], bool):
             within, rule = RANGES[key]
             if not within(kwargs[key]):

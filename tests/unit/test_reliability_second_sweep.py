@@ -276,3 +276,12 @@ def test_a_run_whose_sample_rows_are_all_skipped_still_reports(tmp_path):
     (tmp_path / "samples.jsonl").write_text(json.dumps({"kind": "episode", "step": 1, "trainer_logprobs": [-1.0]}) + "\n")
     with pytest.warns(UserWarning, match="row 1 skipped"):
         assert load_run(tmp_path)["samples"] == []
+
+
+@pytest.mark.parametrize("override, message", [("out_dir=", "out_dir: must name a directory"),
+                                               ("model.builder.hidden_size=-1", "hidden_size: must be >= 1")])
+def test_an_empty_out_dir_and_a_negative_model_size_are_refused(override, message):
+    from agentrl.jobs.ppo import JobConfig
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(JobConfig, None, [override])
