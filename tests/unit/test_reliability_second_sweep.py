@@ -14,27 +14,12 @@ from agentrl.envs.tools import (ToolEnv, parse_hermes_tool_calls, parse_llama3_j
                                 parse_mistral_tool_calls)
 from agentrl.errors import EnvironmentContractError, SignalExit
 from agentrl.rollout import SamplingParams, rollout
-from agentrl.rollout.sampling import Sample
 from fake_tokenizer import FakeTokenizer
-
-
-class Env:
-    stop_patterns = ()
-    max_turns = 2
-
-    def reset(self, task):
-        return "Q: "
-
-    def step(self, action):
-        return StepResult(None, 1.0, True, {})
+from test_reliability_envs import Env, writes_answer  # the well-behaved environment and sampler
 
 
 class Boom(BaseException):
     pass
-
-
-def writes_answer(contexts, params, eos, pad, **kwargs):
-    return [Sample(ids=[ord(c) for c in "Answer: 1"], logprobs=[-1.0] * 9, finish="eos") for _ in contexts]
 
 
 def run(env_cls):
