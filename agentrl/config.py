@@ -66,6 +66,8 @@ RANGES: dict[str, tuple[typing.Callable[[float], bool], str]] = {
     "max_grad_norm": (lambda x: x >= 0, "must be >= 0 (0 or null: no clipping)"),
     "adam_eps": (lambda x: x > 0, "must be > 0"),
     **{name: (lambda x: 0 <= x < 2 ** 32, "must be in [0, 2**32)") for name in ("seed", "eval_seed")},
+    # empty: the job would write, and a fresh start delete, ./checkpoints of the working directory
+    "out_dir": (lambda x: bool(x.strip()), "must name a directory"),
     "top_p": (lambda x: 0 < x <= 1, "must be in (0, 1]"),
     "lora_dropout": (lambda x: 0 <= x < 1, "must be in [0, 1)"),
 }
@@ -145,10 +147,7 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
         if key not in fields:
             raise ConfigError(f"unknown config key {prefix + key!r}{_nearest(key, list(fields))}")
         kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}")
-        if key == "out_dir" and isinstance(kwargs[key], str) and not kwargs[key].strip():
-            raise ConfigError(f"{prefix}out_dir: must name a directory (empty: the job would write, and a fresh "
-                              f"start delete, ./checkpoints of the working directory)")
-        if key in RANGES and isinstance(kwargs[key], (int, float)) and not isinstance(kwargs[key], bool):
+        if key in RANGES and isinstance(kwargs[key], (int, float, str)) and not isinstance(kwargs[key], bool):
             within, rule = RANGES[key]
             if not within(kwargs[key]):
                 raise ConfigError(f"{prefix}{key}: {rule}, got {kwargs[key]!r}")

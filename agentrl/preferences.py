@@ -54,6 +54,14 @@ def read_preference_rows(source) -> tuple[list[dict], str]:
     return [dict(r) for r in ds], str(source)
 
 
+def _check_messages(messages: list, field: str, where: str, calls_without_content: bool) -> None:
+    """Every message a dict with a string 'role' and 'content' (content None allowed for a turn of tool calls)."""
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (isinstance(m.get("content"), str) or (
+                calls_without_content and m.get("content") is None and m.get("tool_calls"))):
+            raise PreferenceDataError(f"{where}: field {field!r} message {k} needs string 'role' and 'content'")
+
+
 def _segments(value, field: str, where: str, tokenizer, prompt_messages: list | None,
               tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[tuple[str, bool]]:
     """A completion as (text, is_assistant) segments. Strings are one assistant segment."""
@@ -63,10 +71,7 @@ def _segments(value, field: str, where: str, tokenizer, prompt_messages: list | 
         return [(value, True)]
     if not isinstance(value, list) or not value:
         raise PreferenceDataError(f"{where}: field {field!r} must be a non-empty string or list of messages")
-    for k, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (
-                isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls"))):
-            raise PreferenceDataError(f"{where}: field {field!r} message {k} needs string 'role' and 'content'")
+    _check_messages(value, field, where, calls_without_content=True)
     if not any(m["role"] == "assistant" and ((m["content"] or "").strip() or m.get("tool_calls")) for m in value):
         raise PreferenceDataError(f"{where}: field {field!r} has no assistant message")
     if _templated(tokenizer, prompt_messages):
@@ -100,9 +105,7 @@ def tokenize_row(row: dict, tokenizer, where: str, max_length: int, max_prompt_l
     if isinstance(prompt, list):
         if not prompt:
             raise PreferenceDataError(f"{where}: field 'prompt' is an empty list of messages")
-        for k, m in enumerate(prompt):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise PreferenceDataError(f"{where}: field 'prompt' message {k} needs string 'role' and 'content'")
+        _check_messages(prompt, "prompt", where, calls_without_content=False)
         prompt_messages = prompt
         if getattr(tokenizer, "chat_template", None):
             from agentrl.envs.chat import render

@@ -225,8 +225,8 @@ def _user_call(fn: Callable, where: str, *args, **kwargs) -> Any:
         raise EnvironmentContractError(f"{where} raised {type(e).__name__}: {e}"[:500]) from e
 
 
-def check_attributes(env) -> None:
-    """max_turns a positive integer, stop_patterns a sequence of regexes."""
+def check_attributes(env) -> tuple[int, tuple[str, ...]]:
+    """(max_turns, stop_patterns), checked: a positive integer, a sequence of regexes."""
     name = type(env).__name__
     turns = _user_call(getattr, f"{name}.max_turns", env, "max_turns")
     stops = _user_call(getattr, f"{name}.stop_patterns", env, "stop_patterns")
@@ -239,6 +239,7 @@ def check_attributes(env) -> None:
             re.compile(pattern)
         except re.error as e:
             raise EnvironmentContractError(f"{name}.stop_patterns: {pattern!r} is not a regex ({e})") from None
+    return turns, tuple(stops)
 
 
 def checked_reset(env, task: dict, timeout: float | None = None) -> str:

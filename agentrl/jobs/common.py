@@ -347,6 +347,7 @@ def add_lora(model, model_cfg: ModelSection):
     LoRA alone, held-out sampled accuracy stalls near 0.5 while greedy is 0.98). LongLoRA (Chen et al.
     2023, arXiv:2309.12307, sec. 3.3) likewise found trainable normalisation layers necessary for LoRA.
     """
+    import torch
     from peft import LoraConfig, get_peft_model
 
     if model_cfg.load_in_4bit:
@@ -361,8 +362,6 @@ def add_lora(model, model_cfg: ModelSection):
     if not model_cfg.lora:
         return model
     extra = norm_module_names(model, model_cfg.train_norms) if model_cfg.train_norms else None
-    import torch
-
     # peft's own error for a name that matches nothing is a traceback from deep inside it
     linear = [name for name, module in model.named_modules()
               if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"]

@@ -106,7 +106,8 @@ def run_job(config: JobConfig) -> dict:
             vllm_startup = round(trainer.rollout_backend.startup_seconds, 1)
         remaining = config.steps - trainer.current_step
         if remaining < 0:
-            raise ConfigError(f"steps={config.steps}, but the checkpoint resumed from is at step {trainer.current_step}")
+            raise ConfigError(f"steps={config.steps}, but the checkpoint resumed from is at step "
+                              f"{trainer.current_step}")
         sampling = rollout_sampling(config.rollout, algo_config.temperature)
         score_hook = reward_model_hook(config, tokenizer)
         judge = judge_hook(config.reward.judge, tokenizer, out)  # verdicts cached in out/judge-cache.jsonl

@@ -105,7 +105,8 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
             _user_call(env.bind_tokenizer, f"{type(env).__name__}.bind_tokenizer", tokenizer)
     if not envs:
         return []
-    check_attributes(envs[0])  # a factory of the user's own may not go through make_env, which checks this too
+    # A factory of the user's own may not go through make_env, which checks these too.
+    max_turns, stop_patterns = check_attributes(envs[0])
     eos_ends = env_option(envs[0], "eos_ends_episode")
     # Chat environments must see the turn-end marker they sampled (a special token) to append the next
     # segment exactly after it; every other environment gets plain text.
@@ -113,8 +114,6 @@ def _rollout_chunk(model, tokenizer, env_factory, tasks, params, generator, valu
     limit = context_limit(model, params)
     timeout = env_option(envs[0], "step_timeout")
     episodes = _start_episodes(envs, tasks, tokenizer, limit, timeout, value_head is not None)
-    max_turns, stop_patterns = _user_call(lambda: (envs[0].max_turns, tuple(envs[0].stop_patterns)),
-                                          f"{type(envs[0]).__name__}.max_turns / stop_patterns")
     kv, cached, previous = (KVState() if params.reuse_kv and sampler is None else None), [0] * len(episodes), []
     for turn in range(max_turns):
         live = [i for i, ep in enumerate(episodes) if not ep.done]
@@ -169,8 +168,7 @@ def _start_episodes(envs: list, tasks: list[dict], tokenizer, limit: int | None,
         try:
             prompt = checked_reset(env, task, timeout)
         except EnvTimeout as e:  # no prompt: an episode of no turns, left out of the loss
-            episodes.append(_timed_out(Episode(task=task, prompt_ids=encode_prompt(tokenizer, "") or
-                                               [tokenizer.eos_token_id], done=True), env, "reset", e))
+            episodes.append(_timed_out(_unplayed(task, tokenizer), env, "reset", e))
             continue
         problem, ids = None, None
         if limit is not None and len(prompt) > _MAX_CHARS_PER_TOKEN * limit:  # not worth tokenizing
@@ -183,7 +181,7 @@ def _start_episodes(envs: list, tasks: list[dict], tokenizer, limit: int | None,
                           f"default: the model's max_position_embeddings)"
         if problem:
             over.append(f"a task ({str(task.get('question', task))[:60]!r}): {problem}")
-            ep = Episode(task=task, prompt_ids=encode_prompt(tokenizer, "") or [tokenizer.eos_token_id], done=True)
+            ep = _unplayed(task, tokenizer)
             ep.info = {INFRA_FAILURE: True, "context_exceeded": True}
             episodes.append(ep)
             continue
@@ -194,6 +192,11 @@ def _start_episodes(envs: list, tasks: list[dict], tokenizer, limit: int | None,
         warnings.warn(f"{len(over)} of {len(episodes)} tasks do not fit the context and end unplayed, left out of "
                       f"the loss (env/context_cut_rate): {over[0]}", stacklevel=3)
     return episodes
+
+
+def _unplayed(task: dict, tokenizer) -> Episode:
+    """An episode that ends before its first turn (no usable prompt): done, with a one-token stand-in prompt."""
+    return Episode(task=task, prompt_ids=encode_prompt(tokenizer, "") or [tokenizer.eos_token_id], done=True)
 
 
 def _record_turn(ep: Episode, env, sample: Sample, result: StepResult, eos_ended: bool, last_turn: bool) -> None:

@@ -25,13 +25,13 @@ from agentrl.algos.losses import tis_weights
 from agentrl.rollout.engine import Episode, rollout
 from agentrl.rollout.sampling import SamplingParams
 from agentrl.samples import SamplesLog
-from agentrl.trainers.common import (FAST, check_log_with, MetricsLog, TokenBatch, check_batch, default_pad_token, end_of_step,
-                                     episodes_to_batch, eval_mode, gathered_for_generation, global_logprob_mismatch,
-                                     global_token_scale, guarded_step, load_trainer_checkpoint, load_trainer_state,
-                                     logprob_mismatch, make_accelerator, mask_infra_failures, masked_logprobs,
-                                     mean_over_processes, norm_gain_parameters, optimizer_groups, progress_bar,
-                                     resumed_cycler, resumed_metrics, save_trainer_checkpoint, save_weights,
-                                     trainer_state, write_lm)
+from agentrl.trainers.common import (FAST, MetricsLog, TokenBatch, check_batch, check_log_with, default_pad_token,
+                                     end_of_step, episodes_to_batch, eval_mode, gathered_for_generation,
+                                     global_logprob_mismatch, global_token_scale, guarded_step, load_trainer_checkpoint,
+                                     load_trainer_state, logprob_mismatch, make_accelerator, mask_infra_failures,
+                                     masked_logprobs, mean_over_processes, norm_gain_parameters, optimizer_groups,
+                                     progress_bar, resumed_cycler, resumed_metrics, save_trainer_checkpoint,
+                                     save_weights, trainer_state, write_lm)
 
 
 @dataclass

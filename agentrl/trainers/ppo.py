@@ -29,9 +29,9 @@ from agentrl.models.value_head import AutoModelForCausalLMWithValueHead, create_
 from agentrl.rollout.engine import Episode, rollout
 from agentrl.rollout.sampling import SamplingParams
 from agentrl.samples import SamplesLog
-from agentrl.trainers.common import (FAST, check_log_with, MetricsLog, TokenBatch, by_length, check_batch, checkpoint_activations,
-                                     common_prefix_logprobs, default_pad_token, end_of_step, episodes_to_batch,
-                                     eval_mode, gathered_for_generation, global_logprob_mismatch,
+from agentrl.trainers.common import (FAST, MetricsLog, TokenBatch, by_length, check_batch, check_log_with,
+                                     checkpoint_activations, common_prefix_logprobs, default_pad_token, end_of_step,
+                                     episodes_to_batch, eval_mode, gathered_for_generation, global_logprob_mismatch,
                                      global_masked_moments, global_token_scale, guarded_step, lm_logprobs,
                                      load_trainer_checkpoint, load_trainer_state, logprob_mismatch, make_accelerator,
                                      mask_infra_failures, norm_gain_parameters, optimizer_groups, policy_forward,

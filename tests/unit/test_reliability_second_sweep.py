@@ -258,7 +258,8 @@ def test_a_str_subclass_result_that_breaks_len_is_shown_as_text():
 def test_a_run_whose_sample_rows_are_all_skipped_still_reports(tmp_path):
     from agentrl.jobs.report import load_run
 
-    (tmp_path / "samples.jsonl").write_text(json.dumps({"kind": "episode", "step": 1, "trainer_logprobs": [-1.0]}) + "\n")
+    row = {"kind": "episode", "step": 1, "trainer_logprobs": [-1.0]}
+    (tmp_path / "samples.jsonl").write_text(json.dumps(row) + "\n")
     with pytest.warns(UserWarning, match="row 1 skipped"):
         assert load_run(tmp_path)["samples"] == []
 
