@@ -98,7 +98,8 @@ class CheckpointError(RuntimeError):
 
 
 class NonFiniteError(RuntimeError):
-    """Too many training steps in a row had a non-finite loss or gradient."""
+    """Training cannot go on: too many steps in a row had a non-finite loss or gradient, or the model's outputs
+    are no longer finite."""
 
 
 # --- nested state <-> (JSON, tensors) ------------------------------------------------------------------
@@ -429,10 +430,18 @@ class Checkpointer:
         """SIGTERM/SIGINT inside `loop()` ask for a checkpoint at the end of the current step; elsewhere
         (set-up, evaluation) they exit at once, since everything done so far is already saved."""
         def handler(signum, frame):
-            if self.in_loop and self.every:
+            name = signal.Signals(signum).name
+            if self.in_loop and self.every and self.signal is None:
                 self.signal = signum
+                return
+            if self.signal is not None:  # a second signal: the step has not ended (a hang with no deadline?)
+                what = (f"a second {name} before the step ended (a step with no deadline that hangs?): exiting "
+                        f"without a checkpoint of this step (resume=auto continues from the newest one)")
             else:
-                raise SignalExit(128 + signum)
+                what = f"{name} outside a training step: exiting (what finished is saved)"
+            if is_main_process():  # os.write, not print: the handler may interrupt a print to stderr
+                os.write(2, f"agentrl: {what}; status {128 + signum}\n".encode())
+            raise SignalExit(128 + signum)
 
         try:
             previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}

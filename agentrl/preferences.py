@@ -31,6 +31,9 @@ class PreferenceExample:
     ref_rejected_logp: float | None = None
 
 
+DATA_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".txt", ".yaml", ".yml")
+
+
 def read_preference_rows(source) -> tuple[list[dict], str]:
     """Rows from a JSONL file, a `datasets` directory (save_to_disk), a Dataset/list, or a `datasets` name."""
     if isinstance(source, (list, tuple)):
@@ -42,6 +45,10 @@ def read_preference_rows(source) -> tuple[list[dict], str]:
         from agentrl.data import read_jsonl
 
         return read_jsonl(path), str(path)
+    if not path.exists() and (path.is_absolute() or str(source).startswith((".", "~"))
+                              or path.suffix.lower() in DATA_FILE_SUFFIXES):
+        # A path, not a hub name: `datasets` would spend ~30 s asking the hub before it failed.
+        raise PreferenceDataError(f"{source}: no such file")
     import datasets
 
     try:

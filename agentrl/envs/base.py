@@ -289,7 +289,34 @@ def _info_problem(info: dict) -> str | None:
     try:
         json.dumps(info, default=str)
     except (TypeError, ValueError, RecursionError) as e:  # non-string keys, a cycle, deep nesting
-        return f"its info cannot be written as JSON ({str(e)[:80]})"
+        where = _unwritable_at(info)
+        return f"its info cannot be written as JSON ({where + ': ' if where else ''}{str(e)[:80]})"
+    return None
+
+
+def _unwritable_at(info: dict, max_depth: int = 200) -> str | None:
+    """Where in `info` json.dumps fails: `info['a'][0]` holds a key of the wrong type, is a container it is
+    inside of (a cycle), or is nested too deep; None if the walk finds nothing (json's own message then says it)."""
+    stack, on_path = [(info, "info", 0, None)], set()
+    while stack:
+        obj, where, depth, leaving = stack.pop()
+        if leaving is not None:  # every child of `leaving` is done: it is no longer an ancestor
+            on_path.discard(leaving)
+            continue
+        if not isinstance(obj, (dict, list, tuple)):
+            continue
+        if id(obj) in on_path:
+            return f"{where} contains itself"
+        if depth >= max_depth:
+            return f"{where} is nested more than {max_depth} deep"
+        on_path.add(id(obj))
+        stack.append((None, where, depth, id(obj)))
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        for key, value in items:
+            if isinstance(obj, dict) and not (key is None or isinstance(key, (str, int, float, bool))):
+                return f"{where} has the key {_shown(key)}"
+            stack.append((value, f"{where}[{key!r}]" if depth < 8 else where.removesuffix("[...]") + "[...]",
+                          depth + 1, None))
     return None
 
 

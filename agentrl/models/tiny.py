@@ -33,6 +33,14 @@ class BaseModelConfig:
     vocab_size: int = 512  # an upper bound: BPE on these traces stops near 315 tokens
     seed: int = 0
 
+    def __post_init__(self):
+        # RANGES cannot say this by name: a job's `steps` may be 0 (evaluate only), a builder's may not.
+        for name in ("steps", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.tool_fraction <= 1.0:  # NaN fails too
+            raise ValueError(f"tool_fraction: must be in [0, 1], got {self.tool_fraction}")
+
 
 MAX_TOKENIZER_TEXT = 4096  # characters of one text that the tokenizer is trained on
 

@@ -16,6 +16,8 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from agentrl.checkpoint import NonFiniteError
+
 
 @dataclass
 class SamplingParams:
@@ -205,6 +207,9 @@ def sample_batch(
     cache_kw = cache_kwarg(model)
     next_pos = positions[:, -1:] + 1
     for n_new in range(params.max_new_tokens):
+        if not torch.isfinite(last_logits).all():  # else a NaN from multinomial, or argmax picking garbage
+            raise NonFiniteError("sampling: the model's logits hold NaN or inf, so its weights have diverged (a "
+                                 "learning rate too large?); lower it, or resume from an earlier checkpoint")
         logits = last_logits.float() / params.temperature  # (B, V)
         if n_new < params.min_new_tokens:
             logits[:, eos_token_id] = float("-inf")

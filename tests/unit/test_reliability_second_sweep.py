@@ -57,7 +57,8 @@ def test_a_stop_signal_still_passes_through_env_option():
 
 
 @pytest.mark.parametrize("info, message", [
-    ({(1, 2): 3}, "cannot be written as JSON"),
+    ({(1, 2): 3}, r"cannot be written as JSON \(info has the key tuple \(1, 2\)"),
+    ({"a": [0, {"b": {None: 1, (3,): 2}}]}, r"info\['a'\]\[1\]\['b'\] has the key tuple \(3,\)"),
     ({"correct": "no"}, r"info\['correct'\] is str 'no'"),
     ({"tool_calls": "3"}, r"info\['tool_calls'\] is str '3'"),
 ])
@@ -69,9 +70,9 @@ def test_an_info_the_logs_cannot_hold_is_named(info, message):
 
 def test_a_cyclic_info_is_named():
     info = {}
-    info["self"] = info
+    info["x"] = [1, info]
     env = type("CycleEnv", (Env,), {"step": lambda self, a: StepResult(None, 1.0, True, info)})()
-    with pytest.raises(EnvironmentContractError, match="cannot be written as JSON"):
+    with pytest.raises(EnvironmentContractError, match=r"cannot be written as JSON \(info\['x'\]\[1\] contains itself"):
         checked_step(env, "Answer: 1")
 
 
@@ -265,9 +266,69 @@ def test_a_run_whose_sample_rows_are_all_skipped_still_reports(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [("out_dir=", "out_dir: must name a directory"),
-                                               ("model.builder.hidden_size=-1", "hidden_size: must be >= 1")])
-def test_an_empty_out_dir_and_a_negative_model_size_are_refused(override, message):
+                                               ("model.builder.hidden_size=-1", "hidden_size: must be >= 1"),
+                                               ("model.builder.steps=0", "model.builder.steps: must be >= 1"),
+                                               ("model.builder.tool_fraction=2", r"tool_fraction: must be in \[0, 1\]")])
+def test_an_empty_out_dir_and_bad_builder_settings_are_refused(override, message):
     from agentrl.jobs.ppo import JobConfig
 
     with pytest.raises(ConfigError, match=message):
         load_config(JobConfig, None, [override])
+
+
+@pytest.mark.parametrize("typo", ["pairs.json", "data/pairs.csv", "./pairs", "/no/such/pairs"])
+def test_a_pairs_path_typo_is_named_without_asking_the_hub(typo, tmp_path, monkeypatch):
+    import datasets
+
+    from agentrl.preferences import PreferenceDataError, read_preference_rows
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the hub was asked")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(datasets, "load_dataset", no_hub)
+    with pytest.raises(PreferenceDataError, match=rf"^{typo}: no such file$"):
+        read_preference_rows(typo)
+
+
+def test_diverged_weights_stop_sampling_with_a_named_error():
+    """A learning rate of 1e30 leaves weights whose logits overflow: sampling says so instead of torch.multinomial's
+    'probability tensor contains either inf, nan' traceback, for sampled and greedy decoding alike."""
+    import torch
+
+    from agentrl.checkpoint import NonFiniteError
+    from agentrl.rollout.sampling import sample_batch
+
+    class Diverged(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, input_ids, **kwargs):
+            logits = torch.full((*input_ids.shape, 8), float("nan"))
+            return type("Out", (), {"logits": logits, "past_key_values": None})()
+
+    for do_sample in (True, False):
+        with pytest.raises(NonFiniteError, match="logits hold NaN or inf"):
+            sample_batch(Diverged(), [[1, 2, 3]], SamplingParams(max_new_tokens=2, do_sample=do_sample), 0, 0)
+
+
+def test_a_second_signal_ends_a_step_that_never_ends_and_every_exit_says_why(tmp_path, capfd):
+    """SIGTERM in a step asks for a checkpoint when the step ends; a step that hangs (no deadline) never ends, so
+    a second SIGTERM exits at once. Both that exit and one outside a step print one line (they printed nothing)."""
+    import os
+    import signal
+
+    from agentrl.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(tmp_path / "checkpoints", every=2)
+    with ckpt.signals(), ckpt.loop():
+        os.kill(os.getpid(), signal.SIGTERM)  # the first one only asks
+        assert ckpt.signal == signal.SIGTERM
+        with pytest.raises(SignalExit) as stopped:
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert stopped.value.code == 143
+    assert "a second SIGTERM before the step ended" in capfd.readouterr().err
+    with pytest.raises(SignalExit) as stopped, Checkpointer(tmp_path / "c2").signals():
+        os.kill(os.getpid(), signal.SIGINT)
+    assert stopped.value.code == 130 and "SIGINT outside a training step: exiting" in capfd.readouterr().err
