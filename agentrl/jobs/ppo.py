@@ -109,10 +109,7 @@ def run_job(config: JobConfig) -> dict:
             raise ConfigError(f"steps={config.steps}, but the checkpoint resumed from is at step "
                               f"{trainer.current_step}")
         sampling = rollout_sampling(config.rollout, algo_config.temperature)
-        score_hook = reward_model_hook(config, tokenizer)
-        judge = judge_hook(config.reward.judge, tokenizer, out)  # verdicts cached in out/judge-cache.jsonl
-        if judge is not None:  # after the reward models: the judge's weight applies to the env score they left
-            score_hook = judge if score_hook is None else _chain(score_hook, judge)
+        score_hook, judge = score_hooks(config, tokenizer, out)
         ppo_started = time.time()
         with checkpointer.loop():
             trainer.train(env_factory, train_tasks, steps=remaining, sampling=sampling,
@@ -143,6 +140,16 @@ def run_job(config: JobConfig) -> dict:
     write_json(out / "summary.json", summary)
     end_processes()
     return summary
+
+
+def score_hooks(config: JobConfig, tokenizer, out: Path):
+    """(the hook that rescores episodes, or None; the judge, or None): reward models, then the judge, whose
+    weight applies to the score they left; verdicts are cached in out/judge-cache.jsonl."""
+    score_hook = reward_model_hook(config, tokenizer)
+    judge = judge_hook(config.reward.judge, tokenizer, out)
+    if judge is not None:
+        score_hook = judge if score_hook is None else _chain(score_hook, judge)
+    return score_hook, judge
 
 
 def make_trainer(config: JobConfig, model, tokenizer, n_train_tasks: int, eval_tasks: list[dict]):
