@@ -42,10 +42,9 @@ def _cmd_grpo(args) -> int:
 
 
 def _cmd_sft(args) -> int:
-    from agentrl.jobs.ppo import load_job
-    from agentrl.jobs.sft import run_sft_job
+    from agentrl.jobs.sft import load_sft_job, run_sft_job
 
-    summary = run_sft_job(load_job(args.config, args.overrides))
+    summary = run_sft_job(load_sft_job(args.config, args.overrides))
     g, s = summary["after"], summary["after_sampled"]
     print(f"\nSFT: {summary['demonstrations']} demonstrations ({summary['skipped_rows']} bad rows skipped), "
           f"{summary['steps']} steps, final loss {summary['final_loss']:.3f}, {summary['train_seconds']} s")

@@ -205,11 +205,12 @@ def _too_many_values(data) -> bool:
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None,
-                command: dict | None = None) -> T:
+                command: dict | None = None, defaults: dict | None = None) -> T:
     """Load `cls` from a YAML file (or its defaults when `path` is None) and apply overrides.
 
     command: top-level keys the command itself sets (`agentrl grpo`: {"algo": "grpo"}); the file or an override
     giving another value is an error, not silently one or the other.
+    defaults: top-level values the command uses where the file sets none (before the overrides).
     """
     data: dict = {}
     if path is not None:
@@ -231,7 +232,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         if _too_many_values(data):
             raise ConfigError(f"{path}: more than {MAX_CONFIG_VALUES:,} values once its YAML aliases are expanded "
                               f"(an alias bomb?)")
-    data = apply_overrides(data, overrides or [])
+    data = apply_overrides({**(defaults or {}), **data}, overrides or [])
     for key, value in (command or {}).items():
         if data.get(key, value) != value:
             overridden = any(o.startswith(f"{key}=") for o in overrides or [])

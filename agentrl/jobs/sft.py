@@ -13,16 +13,53 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from agentrl.config import ConfigError, to_dict
-from agentrl.jobs.common import (Run, add_lora, env_demonstrations, environment_factory, eval_key, load_base,
-                                 renders_chat, store_eval, tasks_of)
-from agentrl.jobs.ppo import JobConfig, retention_after, retention_before
+from agentrl.config import ConfigError, load_config, to_dict
+from agentrl.jobs.common import (EnvSection, ModelSection, RolloutSection, Run, add_lora, env_demonstrations,
+                                 environment_factory, eval_key, load_base, renders_chat, resolve_config_path,
+                                 store_eval, tasks_of)
+from agentrl.jobs.ppo import JobConfig, resolve_precisions, retention_after, retention_before
+from agentrl.trainers.sft import SFTConfig
 
 
-def demonstrations_of(config: JobConfig, eval_tasks: list[dict]) -> tuple[object, str]:
+@dataclass
+class SFTJobConfig:
+    """What `agentrl sft` runs on. Its file is the training job's (one file holds the SFT -> RL recipe, e.g.
+    configs/real.yaml): load_sft_job checks the whole file against the training job's schema and takes these."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    env: EnvSection = field(default_factory=EnvSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    out_dir: str = "runs/sft"  # DIR/model, metrics.jsonl and summary.json
+    eval_seed: int = 0  # seed of the held-out task draw and of sampled evaluation
+    # The held-out evaluation's sampling temperature and precision. load_sft_job takes those of the trainer the
+    # file names (`algo`), so the RL job that starts from DIR/model reads this evaluation as its `before`.
+    eval_temperature: float = 1.0
+    eval_precision: str = "no"
+    progress: bool = True
+    retention_base: str | None = None  # see JobConfig.retention_base
+
+
+def sft_job_of(job: JobConfig) -> SFTJobConfig:
+    """The SFT job of a training job's config (its sections, and its trainer's evaluation settings)."""
+    trainer = job.ppo if job.algo == "ppo" else job.grpo
+    return SFTJobConfig(model=job.model, env=job.env, rollout=job.rollout, sft=job.sft, out_dir=job.out_dir,
+                        eval_seed=job.eval_seed, eval_temperature=trainer.temperature,
+                        eval_precision=trainer.mixed_precision, progress=job.progress,
+                        retention_base=job.retention_base)
+
+
+def load_sft_job(path: str | None, overrides: list[str] | None = None) -> SFTJobConfig:
+    """`agentrl sft --config FILE key=value ...`: out_dir defaults to runs/sft, not the training job's runs/ppo."""
+    job = load_config(JobConfig, resolve_config_path(path) if path else None, overrides,
+                      defaults={"out_dir": SFTJobConfig.out_dir})
+    return sft_job_of(resolve_precisions(job))
+
+
+def demonstrations_of(config: SFTJobConfig, eval_tasks: list[dict]) -> tuple[object, str]:
     """(the SFT data: a JSONL path or a list of rows, its name in error messages)."""
     if config.sft.data:
         return config.sft.data, config.sft.data
@@ -52,7 +89,7 @@ def with_replay(data, name: str, sft, model, tokenizer, max_new_tokens: int) -> 
     return mixed, f"{name} + {n_replay} replay rows"
 
 
-def run_sft_job(config: JobConfig) -> dict:
+def run_sft_job(config: SFTJobConfig) -> dict:
     """Demonstrations -> SFT -> `out_dir/model` (+ metrics.jsonl, summary.json with held-out metrics)."""
     import torch
 
@@ -91,10 +128,9 @@ def run_sft_job(config: JobConfig) -> dict:
     retention = retention_after(retention, out, fingerprint, model)
     run = Run(str(model_dir), model, tokenizer, env_factory, eval_tasks, config.rollout.max_new_tokens, config.eval_seed,
               config.rollout.max_context, config.rollout.max_observation_tokens)
-    # At the precision PPO will train and evaluate at (ppo.mixed_precision), so that its `before` is this one.
-    after = run.evaluate_both(model, config.ppo.temperature, config.ppo.mixed_precision)
-    store_eval(str(model_dir), eval_key(config.env, config.eval_seed, config.rollout,
-                                        config.ppo.temperature, config.ppo.mixed_precision), after)
+    after = run.evaluate_both(model, config.eval_temperature, config.eval_precision)
+    store_eval(str(model_dir), eval_key(config.env, config.eval_seed, config.rollout, config.eval_temperature,
+                                        config.eval_precision), after)
     summary = {"after": after["greedy"], "after_sampled": after["sampled"], "algo": "sft", "steps": sft.steps,
                **trained, "eval_tasks": len(eval_tasks), "wall_seconds": round(time.time() - started, 1),
                "model_dir": str(model_dir), "config": to_dict(config)}
