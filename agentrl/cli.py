@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -248,14 +250,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _os_exit_raises():
+    """While a job runs, os._exit called in this process raises SystemExit instead of ending it at once.
+
+    User code runs inside the job (a tool on a thread, an environment), and os._exit there would end the run
+    with that status, 0 included, past every handler and with nothing written. As SystemExit it becomes a failed
+    tool call or a named environment error like sys.exit. Forked children (tool process isolation, the MCP
+    server's launcher) still exit: the check is on the process id. A net, not a guarantee (posix._exit, a crash):
+    isolation="process" is the tools' guarantee.
+    """
+    real, pid = os._exit, os.getpid()
+
+    def _exit(status: int) -> None:
+        if os.getpid() != pid:
+            real(status)
+        raise SystemExit(f"os._exit({status!r})")
+
+    os._exit = _exit
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
+def _exit_now(status: int) -> None:
+    """End the process after a stop signal without waiting for threads still in user code: a tool call that
+    hangs inside an environment's step pool would hold the interpreter's exit until its deadline (or forever).
+    The atexit handlers still run (trackers, the MCP servers' clean-up); only the joins of running threads are
+    skipped."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def main(argv: list[str] | None = None) -> int:
     from agentrl.errors import SignalExit, UserError
 
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
-    except SignalExit:  # SIGTERM/SIGINT: its message is already out, its status is 128 + the signal
-        raise
+        with _os_exit_raises():
+            return args.func(args)
+    except SignalExit as e:  # SIGTERM/SIGINT: its message is already out, its status is 128 + the signal
+        if argv is not None:  # called from Python: the caller decides
+            raise
+        _exit_now(e.code)
+    except KeyboardInterrupt:  # Ctrl-C before the job set its handlers (while torch and the model load)
+        if args.debug:
+            raise
+        print("agentrl: SIGINT before the job started: exiting; status 130", file=sys.stderr)
+        return 130
     except SystemExit as e:
         # Only user code (an environment, a tool, a tasks function) calls sys.exit inside a job; the places that
         # call it are wrapped and name themselves, and this is the net for any other: never an exit 0 with no result.

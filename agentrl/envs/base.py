@@ -161,6 +161,10 @@ def load_tasks(spec: str, n: int, seed: int, split: str, kwargs: dict | None = N
     for i, task in enumerate(tasks):
         if not isinstance(task, dict):
             raise EnvironmentContractError(f"{where} must return a list of task dicts; item {i} is {_shown(task)}")
+        if "question" in task and not isinstance(task["question"], str):  # held-out tasks are told apart by it
+            raise EnvironmentContractError(f"{where}: task {i}'s question is {_shown(task['question'])} (a str)")
+        if (problem := json_problem(task, f"task {i}")) is not None:  # tasks are written to samples.jsonl
+            raise EnvironmentContractError(f"{where}: task {i} cannot be written as JSON ({problem})")
     return list(tasks)
 
 
@@ -180,7 +184,32 @@ def make_env(spec: str | type, kwargs: dict | None = None) -> Environment:
 # method and what it returned, not a traceback from deep inside the engine -----------------------------------
 
 def _shown(value: Any) -> str:
-    return f"{type(value).__name__} {value!r}"[:120]
+    try:
+        text = repr(value)
+    except SignalExit:
+        raise
+    except BaseException:  # noqa: BLE001 - a user's __repr__ that raises (or exits) must not hide the error
+        text = "<its repr raised>"
+    return f"{type(value).__name__} {text}"[:120]
+
+
+def _message(e: BaseException) -> str:
+    """str(e), or a stand-in when the exception's own __str__ raises."""
+    try:
+        return str(e)
+    except SignalExit:
+        raise
+    except BaseException:  # noqa: BLE001
+        return "<its message raised>"
+
+
+def _text_problem(text: str) -> str | None:
+    """Why `text` cannot reach the tokenizer, or None: lone surrogates are not UTF-8 (NUL is, and is kept)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"is not UTF-8 text (a lone surrogate {text[e.start]!r} at character {e.start})"
+    return None
 
 
 class EnvTimeout(Exception):
@@ -222,7 +251,7 @@ def _user_call(fn: Callable, where: str, *args, **kwargs) -> Any:
     except BaseException as e:
         if type(e).__module__.startswith("agentrl."):
             raise
-        raise EnvironmentContractError(f"{where} raised {type(e).__name__}: {e}"[:500]) from e
+        raise EnvironmentContractError(f"{where} raised {type(e).__name__}: {_message(e)}"[:500]) from e
 
 
 def check_attributes(env) -> tuple[int, tuple[str, ...]]:
@@ -248,6 +277,8 @@ def checked_reset(env, task: dict, timeout: float | None = None) -> str:
     if not isinstance(prompt, str):
         raise EnvironmentContractError(f"{type(env).__name__}.reset must return the prompt (a str), "
                                        f"returned {_shown(prompt)}")
+    if (problem := _text_problem(prompt)) is not None:
+        raise EnvironmentContractError(f"{type(env).__name__}.reset: the prompt it returned {problem}")
     return prompt
 
 
@@ -260,9 +291,11 @@ def checked_step(env, action: str, timeout: float | None = None) -> StepResult:
         problem = f"returned {_shown(result)}"
     elif result.observation is not None and not isinstance(result.observation, str):
         problem = f"its observation is {_shown(result.observation)} (a str, or None)"
+    elif result.observation is not None and _text_problem(result.observation):
+        problem = f"its observation {_text_problem(result.observation)}"
     elif not _is_number(result.reward):
         problem = f"its reward is {_shown(result.reward)} (a number)"
-    elif result.done is None or isinstance(result.done, (str, bytes)):
+    elif result.done is None or isinstance(result.done, (str, bytes)) or not _is_truth_value(result.done):
         problem = f"its done is {_shown(result.done)} (True or False)"
     elif not isinstance(result.info, dict):
         problem = f"its info is {_shown(result.info)} (a dict)"
@@ -286,18 +319,26 @@ def _info_problem(info: dict) -> str | None:
     for key in INFO_COUNTS:
         if key in info and (isinstance(info[key], bool) or not _is_number(info[key])):
             return f"its info[{key!r}] is {_shown(info[key])} (a number)"
+    problem = json_problem(info, "info")
+    return None if problem is None else f"its info cannot be written as JSON ({problem})"
+
+
+def json_problem(value: Any, name: str) -> str | None:
+    """Why json.dumps(value, default=str), as the logs write it, fails, naming where in `value`; or None."""
     try:
-        json.dumps(info, default=str)
-    except (TypeError, ValueError, RecursionError) as e:  # non-string keys, a cycle, deep nesting
-        where = _unwritable_at(info)
-        return f"its info cannot be written as JSON ({where + ': ' if where else ''}{str(e)[:80]})"
+        json.dumps(value, default=str)
+    except SignalExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - non-string keys, a cycle, deep nesting, a __str__ that raises
+        where = _unwritable_at(value, name)
+        return f"{where + ': ' if where else ''}{type(e).__name__}: {_message(e)[:80]}"
     return None
 
 
-def _unwritable_at(info: dict, max_depth: int = 200) -> str | None:
+def _unwritable_at(info: Any, name: str = "info", max_depth: int = 200) -> str | None:
     """Where in `info` json.dumps fails: `info['a'][0]` holds a key of the wrong type, is a container it is
     inside of (a cycle), or is nested too deep; None if the walk finds nothing (json's own message then says it)."""
-    stack, on_path = [(info, "info", 0, None)], set()
+    stack, on_path = [(info, name, 0, None)], set()
     while stack:
         obj, where, depth, leaving = stack.pop()
         if leaving is not None:  # every child of `leaving` is done: it is no longer an ancestor
@@ -327,6 +368,19 @@ def _is_number(x: Any) -> bool:
         return False
     try:
         float(x)
-    except (TypeError, ValueError):
+    except SignalExit:
+        raise
+    except BaseException:  # noqa: BLE001 - TypeError, ValueError, an int past float's range, a __float__ that raises
+        return False
+    return True
+
+
+def _is_truth_value(x: Any) -> bool:
+    """bool(x) gives an answer: not a numpy array of several values, nor a __bool__ that raises."""
+    try:
+        bool(x)
+    except SignalExit:
+        raise
+    except BaseException:  # noqa: BLE001
         return False
     return True

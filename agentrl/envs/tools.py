@@ -21,6 +21,8 @@ chat template unless `tool_parser=` says otherwise):
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import json
 import math
@@ -236,6 +238,16 @@ def validate_arguments(schema: dict, arguments: dict) -> str | None:
 
 
 _THREADS = CallThreads()  # shared: environments are created per episode
+_CHILDREN: set[int] = set()  # forked calls still running (isolation "process")
+
+
+@atexit.register
+def _kill_children() -> None:
+    """A call's child whose waiting thread did not get to kill it (the run exited on a signal meanwhile)."""
+    for pid in list(_CHILDREN):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
 
 
 def _run_forked(observe: Callable[[str, Any], tuple[str, bool]], fn: Callable, kwargs: dict,
@@ -259,6 +271,7 @@ def _run_forked(observe: Callable[[str, Any], tuple[str, bool]], fn: Callable, k
             sys.stdout.flush(), sys.stderr.flush()
         finally:
             os._exit(0)
+    _CHILDREN.add(pid)
     os.close(write_end)
     deadline, chunks, answered = time.monotonic() + timeout, [], False
     try:
@@ -276,6 +289,7 @@ def _run_forked(observe: Callable[[str, Any], tuple[str, bool]], fn: Callable, k
         if not answered:
             os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
+        _CHILDREN.discard(pid)
     if chunks:
         text, ok = json.loads(b"".join(chunks))
         return "observation", (text, ok)
@@ -293,8 +307,8 @@ class ToolRunner:
     """Dispatches validated calls to the functions with a per-call timeout and an observation size limit.
 
     isolation "thread" (default): calls run on daemon threads of this process; a call that overruns is
-    abandoned (see envs/threads.CallThreads), but a tool that calls os._exit or crashes the interpreter ends the run: no
-    Python hook sees either (patching os._exit would still miss posix._exit, `from os import _exit` and crashes).
+    abandoned (see envs/threads.CallThreads). A tool that crashes the interpreter, or calls posix._exit, ends the
+    run; `agentrl` jobs make os._exit raise SystemExit in their process (cli._os_exit_raises), a failed call here.
     "process": each call runs in a forked child that is killed at the deadline, so nothing a tool does (os._exit,
     a segfault, a hang holding a lock) reaches the run; it costs a fork per call (milliseconds on a large
     process), changes to module state in a call do not persist, and it needs os.fork (Linux, macOS).

@@ -40,6 +40,10 @@ class BaseModelConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.tool_fraction <= 1.0:  # NaN fails too
             raise ValueError(f"tool_fraction: must be in [0, 1], got {self.tool_fraction}")
+        from agentrl.envs import CORPORA
+
+        if self.corpus not in CORPORA:
+            raise ValueError(f"corpus: {self.corpus!r} is not one of the built-in corpora ({', '.join(CORPORA)})")
 
 
 MAX_TOKENIZER_TEXT = 4096  # characters of one text that the tokenizer is trained on

@@ -1,0 +1,147 @@
+"""What a third hostile sweep found: exceptions and values whose own methods fail (an exception's __str__, a
+reward's __float__, a done that is an array, an info value whose __str__ raises), text that is not UTF-8, tasks
+that cannot be logged, os._exit in user code, a Ctrl-C while the job loads, and forked tool calls left running
+when a run exits on a signal."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from agentrl.config import ConfigError, load_config
+from agentrl.envs.base import StepResult, checked_reset, checked_step, load_tasks
+from agentrl.errors import EnvironmentContractError
+from test_reliability_envs import Env
+
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no message")
+
+
+class FloatInterrupts:
+    def __float__(self):
+        raise KeyboardInterrupt
+
+
+class StrRaises:
+    def __str__(self):
+        raise RuntimeError("no str")
+
+    __repr__ = __str__
+
+
+def stepping(result):
+    return type("HostileEnv", (Env,), {"step": lambda self, action: result})()
+
+
+def test_an_exception_whose_message_raises_is_still_one_named_line():
+    def raising(self, action):
+        raise Unprintable
+
+    with pytest.raises(EnvironmentContractError, match=r"HostileEnv\.step raised Unprintable: <its message raised>"):
+        checked_step(type("HostileEnv", (Env,), {"step": raising})(), "Answer: 1")
+
+
+@pytest.mark.parametrize("result, message", [
+    (StepResult(None, 10 ** 400, True, {}), r"its reward is int 1000"),
+    (StepResult(None, FloatInterrupts(), True, {}), r"its reward is FloatInterrupts"),
+    (StepResult(None, 0.0, np.array([True, False]), {}), r"its done is ndarray"),
+    (StepResult(None, 0.0, True, {"tool_calls": 10 ** 400}), r"its info\['tool_calls'\] is int"),
+    (StepResult(None, 0.0, True, {"obj": StrRaises()}), r"cannot be written as JSON \(RuntimeError: no str\)"),
+    (StepResult("Obs: \udcff\n", 0.0, False, {}), r"its observation is not UTF-8 text \(a lone surrogate"),
+])
+def test_step_results_whose_values_break_their_own_methods_are_named(result, message):
+    with pytest.raises(EnvironmentContractError, match=rf"HostileEnv\.step must return .*{message}"):
+        checked_step(stepping(result), "Answer: 1")
+
+
+def test_a_prompt_with_a_lone_surrogate_is_named_and_nul_is_kept():
+    env = type("SurrogateEnv", (Env,), {"reset": lambda self, task: "Q: \ud800\n"})()
+    with pytest.raises(EnvironmentContractError, match=r"SurrogateEnv\.reset: the prompt .* lone surrogate"):
+        checked_reset(env, {})
+    assert checked_reset(type("NulEnv", (Env,), {"reset": lambda self, task: "Q: \x00\n"})(), {}) == "Q: \x00\n"
+
+
+def question_list(n, seed=0, split="train"):
+    return [{"question": [i], "answer": "1"} for i in range(n)]
+
+
+def tuple_key(n, seed=0, split="train"):
+    return [{"question": f"q{i}", "answer": "1", ("q",): "x"} for i in range(n)]
+
+
+@pytest.mark.parametrize("tasks, message", [(question_list, r"task 0's question is list \[0\] \(a str\)"),
+                                            (tuple_key, r"task 0 cannot be written as JSON \(task 0 has the key tuple")])
+def test_tasks_that_cannot_be_told_apart_or_logged_are_named(tasks, message):
+    with pytest.raises(EnvironmentContractError, match=message):
+        load_tasks(f"{__name__}:{tasks.__name__}", 2, 0, "train")
+
+
+def test_an_unknown_builder_corpus_is_a_config_error():
+    from agentrl.jobs.ppo import JobConfig
+
+    with pytest.raises(ConfigError, match=r"model\.builder\.corpus: 'nope' is not one of the built-in corpora"):
+        load_config(JobConfig, None, ["model.builder.corpus=nope"])
+
+
+def test_os_exit_raises_in_a_job_but_a_forked_child_still_exits():
+    from agentrl.cli import _os_exit_raises
+
+    real = os._exit
+    with _os_exit_raises():
+        with pytest.raises(SystemExit, match=r"os\._exit\(0\)"):
+            os._exit(0)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(7)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 7
+    assert os._exit is real
+
+
+def test_an_os_exit_in_a_tool_is_a_failed_call_under_the_cli(monkeypatch, capsys):
+    import agentrl.cli as cli
+    from agentrl.envs.tools import ToolCall, ToolRunner
+
+    def quits(x: str) -> str:
+        """Quit.
+
+        Args:
+            x: anything
+        """
+        os._exit(0)
+
+    def job(args):
+        text, ok = ToolRunner([quits], timeout=5.0)(ToolCall("quits", {"x": "1"}))
+        print(text)
+        return 0
+
+    monkeypatch.setattr(cli, "_cmd_report", job)
+    assert cli.main(["report", "somewhere"]) == 0
+    assert "os._exit(0)" in capsys.readouterr().out
+
+
+def test_ctrl_c_while_the_job_loads_is_one_line_and_130(monkeypatch, capsys):
+    import agentrl.cli as cli
+
+    def job(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_report", job)
+    assert cli.main(["report", "somewhere"]) == 130
+    assert "SIGINT before the job started" in capsys.readouterr().err
+
+
+def test_forked_tool_calls_still_running_are_killed_at_exit():
+    from agentrl.envs import tools
+
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    tools._CHILDREN.add(pid)
+    tools._kill_children()
+    with pytest.raises(ChildProcessError):  # reaped: no such child any more
+        os.waitpid(pid, os.WNOHANG)
+    tools._CHILDREN.discard(pid)
