@@ -37,15 +37,42 @@ from agentrl.distributed import is_main_process, wait_for_everyone
 from agentrl.errors import SignalExit
 
 
-def save_atomically(out_dir: str | Path, write: Callable[[str], object]) -> None:
-    """Call `write(tmp)` on a temporary sibling directory, then swap it into place as `out_dir`."""
+# A directory holding one of these is a model, adapter or checkpoint that agentrl (or save_pretrained) wrote,
+# which a new save may replace; anything else at the path is the user's and is never deleted.
+REPLACEABLE_MARKS = ("config.json", "adapter_config.json", "agentrl_base.json", "manifest.json")
+
+
+def check_replaceable(out_dir: str | Path, what: str | None = None) -> None:
+    """Raise UserError unless `out_dir` is free for save_atomically: absent, an empty directory, or a directory
+    with one of REPLACEABLE_MARKS. Jobs call it before training, so a wrong path costs no training time."""
+    from agentrl.errors import UserError
+
     out_dir = Path(out_dir)
+    if not os.path.lexists(out_dir):
+        return
+    if out_dir.is_dir() and not out_dir.is_symlink():
+        if not any(out_dir.iterdir()) or any((out_dir / mark).is_file() for mark in REPLACEABLE_MARKS):
+            return
+        found = "a directory with none of " + ", ".join(REPLACEABLE_MARKS)
+    else:
+        found = "a symlink" if out_dir.is_symlink() else "a file"
+    raise UserError(f"{what or out_dir}: {out_dir} exists and is {found}, not a model agentrl wrote; agentrl "
+                    f"replaces only its own saves there. Give another path, or move it away first")
+
+
+def save_atomically(out_dir: str | Path, write: Callable[[str], object]) -> None:
+    """Call `write(tmp)` on a temporary sibling directory, then swap it into place as `out_dir`. An existing
+    `out_dir` is replaced only if check_replaceable allows it (a file or a user's directory is never lost)."""
+    out_dir = Path(out_dir)
+    check_replaceable(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         write(str(tmp))
         old = out_dir.with_name(f".{out_dir.name}.old")
         if out_dir.exists():
+            if old.is_dir() and not old.is_symlink():  # left by a save that crashed between the two renames
+                shutil.rmtree(old, ignore_errors=True)
             os.replace(out_dir, old)
         os.replace(tmp, out_dir)
         shutil.rmtree(old, ignore_errors=True)

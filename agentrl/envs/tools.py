@@ -246,8 +246,15 @@ def _kill_children() -> None:
     """A call's child whose waiting thread did not get to kill it (the run exited on a signal meanwhile)."""
     for pid in list(_CHILDREN):
         with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+            _kill_group(pid)
             os.waitpid(pid, 0)
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL a forked call and every process it started (its process group; see _run_forked). Called before
+    the child is reaped, so its pid, and with it the group's id, cannot have been reused."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def _run_forked(observe: Callable[[str, Any], tuple[str, bool]], fn: Callable, kwargs: dict,
@@ -255,11 +262,13 @@ def _run_forked(observe: Callable[[str, Any], tuple[str, bool]], fn: Callable, k
     """One call in a forked child with a deadline: ("observation", (text, ok)) made by `observe(status, value)`
     in the child, ("timeout", None) after killing it, or ("exited", how) when it died without answering
     (os._exit, a crash, a signal). The child inherits the tool's module state copy-on-write; nothing it
-    changes comes back, and only the observation text crosses the pipe (no pickling)."""
+    changes comes back, and only the observation text crosses the pipe (no pickling). The child leads its own
+    process group, which is killed when the call ends, so processes a tool started (and left) end with it."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: answer on the pipe and leave with os._exit, never through the parent's code
         try:
+            os.setpgid(0, 0)
             os.close(read_end)
             for sig in (signal.SIGTERM, signal.SIGINT):  # not the run's checkpoint-and-exit handlers
                 signal.signal(sig, signal.SIG_DFL)
@@ -272,6 +281,8 @@ def _run_forked(observe: Callable[[str, Any], tuple[str, bool]], fn: Callable, k
         finally:
             os._exit(0)
     _CHILDREN.add(pid)
+    with contextlib.suppress(OSError):  # also here, so no kill below can come before the child's own setpgid
+        os.setpgid(pid, pid)
     os.close(write_end)
     deadline, chunks, answered = time.monotonic() + timeout, [], False
     try:
@@ -288,6 +299,7 @@ def _run_forked(observe: Callable[[str, Any], tuple[str, bool]], fn: Callable, k
         os.close(read_end)
         if not answered:
             os.kill(pid, signal.SIGKILL)
+        _kill_group(pid)  # what the call started, answered or not
         _, status = os.waitpid(pid, 0)
         _CHILDREN.discard(pid)
     if chunks:

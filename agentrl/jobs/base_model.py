@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from agentrl.checkpoint import save_atomically
+from agentrl.checkpoint import check_replaceable, save_atomically
 from agentrl.envs.base import Corpus, Segments
 from agentrl.models.tiny import BaseModelConfig, build_tokenizer, tiny_llama
 from agentrl.trainers.sft import (Example, SFTConfig, SFTTrainer, collate, demonstration_texts, encode_demonstrations,
@@ -79,6 +79,7 @@ def build_base_model(out_dir: str | Path, config: BaseModelConfig | None = None,
     out_dir = Path(out_dir)
     if is_built(out_dir, config):
         return out_dir
+    check_replaceable(out_dir, "model.base_dir")  # before minutes of training
     if config.corpus not in CORPORA:
         raise ValueError(f"unknown corpus {config.corpus!r}; choose one of {sorted(CORPORA)}")
     started = time.time()
@@ -198,6 +199,7 @@ def build_from_demonstrations(out_dir: str | Path, demonstrations, config: BaseM
     out_dir, source = Path(out_dir), demonstrations_key(rows, sft, chat)
     if is_built(out_dir, config, source):
         return out_dir
+    check_replaceable(out_dir)
     started = time.time()
     torch.manual_seed(sft.seed)
     markers = ("<|im_start|>", "<|im_end|>") if chat else ()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -120,7 +121,7 @@ def _state_to_resume(out_dir: Path, resume: str | None, config: dict) -> dict | 
         if root.exists() and not resume and is_main_process():  # resume=auto without one keeps stored evaluations
             if checkpoints(root):
                 say(f"fresh start: removing the old checkpoints in {root} (resume=auto continues a run instead)")
-            shutil.rmtree(root)
+            _clear_checkpoints(root)
         wait_for_everyone()
         return None
     now = _flatten(config)
@@ -135,6 +136,19 @@ def _state_to_resume(out_dir: Path, resume: str | None, config: dict) -> dict | 
                               + ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in differ[:5])
                               + "; resume with the same config, or start fresh in another out_dir")
     return state
+
+
+def _clear_checkpoints(root: Path) -> None:
+    """Delete what jobs write under `root` (step-N checkpoints, stored evaluations, a crashed write's leftovers);
+    anything else a user put there stays."""
+    ours = re.compile(r"^(step-\d+|eval-.+\.(json|tmp)|\.(tmp|old)-step-\d+.*)$")
+    for path in root.iterdir():
+        if not ours.match(path.name):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def cached_eval(out_dir: str | Path, name: str, config: dict, compute: Callable[[], dict]) -> dict:

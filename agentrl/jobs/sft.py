@@ -90,7 +90,20 @@ def with_replay(data, name: str, sft, model, tokenizer, max_new_tokens: int) -> 
 
 
 def run_sft_job(config: SFTJobConfig) -> dict:
-    """Demonstrations -> SFT -> `out_dir/model` (+ metrics.jsonl, summary.json with held-out metrics)."""
+    """Demonstrations -> SFT -> `out_dir/model` (+ metrics.jsonl, summary.json with held-out metrics). Holds
+    out_dir's lock while it runs, as the other jobs do (a second job there would interleave metrics.jsonl)."""
+    from agentrl.checkpoint import check_replaceable
+    from agentrl.jobs.run import lock_run, unlock_run
+
+    lock_run(config.out_dir)
+    try:
+        check_replaceable(Path(config.out_dir) / "model", "out_dir")
+        return _sft_job(config)
+    finally:
+        unlock_run(config.out_dir)
+
+
+def _sft_job(config: SFTJobConfig) -> dict:
     import torch
 
     from agentrl.checkpoint import write_json

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from agentrl.algos.dpo import bradley_terry_loss
-from agentrl.checkpoint import save_atomically
+from agentrl.checkpoint import check_replaceable, save_atomically
 from agentrl.errors import UserError
 from agentrl.preferences import PreferenceExample, load_preferences
 from agentrl.trainers.common import MetricsLog, build_batch, finite_or_raise, position_ids, progress_bar
@@ -138,6 +138,7 @@ def train_reward_model(config: RewardModelConfig) -> dict:
     """Train on (1 - eval_fraction) of the pairs, report pairwise accuracy on the rest, save atomically."""
     from transformers import AutoTokenizer
 
+    check_replaceable(config.out_dir, "out_dir")  # before the training, not at the save
     torch.manual_seed(config.seed)
     tokenizer = AutoTokenizer.from_pretrained(config.base)
     examples, skipped = load_preferences(config.data, tokenizer, config.max_length, config.max_prompt_length)

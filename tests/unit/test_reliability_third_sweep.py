@@ -5,6 +5,7 @@ when a run exits on a signal."""
 
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -145,3 +146,75 @@ def test_forked_tool_calls_still_running_are_killed_at_exit():
     with pytest.raises(ChildProcessError):  # reaped: no such child any more
         os.waitpid(pid, os.WNOHANG)
     tools._CHILDREN.discard(pid)
+
+
+# Data loss: paths the user gave that hold their own files.
+
+def test_a_save_never_replaces_a_users_file_or_directory(tmp_path):
+    from agentrl.checkpoint import save_atomically
+    from agentrl.errors import UserError
+
+    user_file, user_dir = tmp_path / "passwd", tmp_path / "notes"
+    user_file.write_text("root:x:0:0\n")
+    user_dir.mkdir()
+    (user_dir / "todo.txt").write_text("keep me")
+    for path in (user_file, user_dir):
+        with pytest.raises(UserError, match="not a model agentrl wrote"):
+            save_atomically(path, lambda d: (Path(d) / "config.json").write_text("{}"))
+    assert user_file.read_text() == "root:x:0:0\n" and (user_dir / "todo.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "passwd"]  # no temporary or .old left
+    for path in (tmp_path / "empty", tmp_path / "model"):  # an empty directory and an earlier save are replaced
+        path.mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    for path in (tmp_path / "empty", tmp_path / "model", tmp_path / "new"):
+        save_atomically(path, lambda d: (Path(d) / "adapter_config.json").write_text("{}"))
+        assert sorted(p.name for p in path.iterdir()) == ["adapter_config.json"]
+
+
+def test_base_dir_on_a_users_file_is_refused_before_training(tmp_path):
+    from agentrl.errors import UserError
+    from agentrl.jobs.base_model import build_base_model
+
+    user_file = tmp_path / "passwd"
+    user_file.write_text("root:x:0:0\n")
+    started = time.time()
+    with pytest.raises(UserError, match=r"model.base_dir: .*passwd exists and is a file"):
+        build_base_model(user_file)
+    assert time.time() - started < 5 and user_file.read_text() == "root:x:0:0\n"
+
+
+def test_sft_takes_the_out_dir_lock_and_keeps_a_users_model_dir(tmp_path):
+    import subprocess
+    import sys
+
+    from agentrl.errors import UserError
+    from agentrl.jobs.sft import SFTJobConfig, run_sft_job
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from agentrl.jobs.run import lock_run; "
+                               f"lock_run({str(tmp_path / 'busy')!r}); print('locked', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(UserError, match="another agentrl job is running there"):
+            run_sft_job(SFTJobConfig(out_dir=str(tmp_path / "busy")))
+    finally:
+        holder.kill()
+        holder.wait()
+    (tmp_path / "mine" / "model").mkdir(parents=True)
+    (tmp_path / "mine" / "model" / "thesis.tex").write_text("keep me")
+    with pytest.raises(UserError, match="not a model agentrl wrote"):
+        run_sft_job(SFTJobConfig(out_dir=str(tmp_path / "mine")))
+    assert (tmp_path / "mine" / "model" / "thesis.tex").read_text() == "keep me"
+
+
+def test_a_fresh_start_clears_only_what_jobs_wrote_under_checkpoints(tmp_path):
+    from agentrl.jobs.run import open_run, unlock_run
+
+    root = tmp_path / "checkpoints"
+    for name in ("step-000004", ".tmp-step-000008-x1", "notes"):
+        (root / name).mkdir(parents=True)
+    for name in ("eval-before.json", "eval-after.tmp", "README.txt"):
+        (root / name).write_text("{}")
+    assert open_run(tmp_path, None, {"steps": 4}) is None
+    unlock_run(tmp_path)
+    assert sorted(p.name for p in root.iterdir()) == ["README.txt", "notes"]

@@ -1,6 +1,7 @@
 """A tool cannot take the run down: exits and interrupts become observations, hung calls are abandoned without
 starving later calls, and the process still exits (and obeys SIGTERM) while a tool hangs."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -183,3 +184,32 @@ def test_many_hung_calls_warn_and_name_the_remedy(monkeypatch):
     with pytest.warns(UserWarning, match=r"3 tool threads started: .*isolation='process'"):
         for _ in range(3):
             assert threads.run(hangs, {"x": ""}, 0.01) == ("timeout", None)
+
+
+def starts_sleeper(marker: str, hang: bool) -> str:
+    """Start a background process, then hang or return.
+
+    Args:
+        marker: a word the process's command line carries
+        hang: whether to hang after starting it
+    """
+    import subprocess
+    import sys
+    import time
+
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(307)", marker])
+    while hang:
+        time.sleep(1)
+    return "started"
+
+
+def test_processes_a_forked_call_started_end_with_the_call(tmp_path):
+    import subprocess
+
+    runner = ToolRunner([starts_sleeper], timeout=1.0, isolation="process")
+    for hang in (True, False):
+        marker = f"agentrl-test-{os.getpid()}-{hang}"
+        assert runner(ToolCall("starts_sleeper", {"marker": marker, "hang": hang}))[1] is (not hang)
+        time.sleep(0.2)
+        left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+        assert left == [], f"the call's sleeper outlived it (hang={hang}): pids {left}"
