@@ -82,12 +82,25 @@ def save_atomically(out_dir: str | Path, write: Callable[[str], object]) -> None
 
 
 def write_text_atomically(path: str | Path, text: str) -> None:
-    """Write a file next to `path`, then rename it over `path` (a rename is atomic on one filesystem)."""
+    """Write a file next to `path`, then rename it over `path` (a rename is atomic on one filesystem). A path
+    that cannot be written (a directory, a read-only place, a full disk) is a UserError naming it, with nothing
+    left behind."""
+    from agentrl.errors import UserError
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory; give a file path")
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # it may not exist, or be unwritable like its directory
+        raise UserError(f"{path}: cannot write it ({e.strerror or e})") from None
 
 
 def finite_or_none(obj: Any) -> Any:
@@ -372,6 +385,31 @@ def say(message: str) -> None:
 
 # --- the training loops' side ------------------------------------------------------------------------------
 
+EXIT_GRACE_SECONDS = 10.0
+
+
+def _exit_unless_stopped(seconds: float, status: int):
+    """After a second stop signal: unless the returned event is set within `seconds` (Checkpointer.signals()
+    sets it when the SignalExit leaves its block), end the process with `status`. The SignalExit raised in the
+    main thread can be swallowed by user code there (an `except BaseException` around a hang), and nothing else
+    could then stop the run short of SIGKILL. posix._exit, not os._exit: the CLI turns os._exit into SystemExit
+    while a job runs (cli._os_exit_raises)."""
+    import posix
+    import threading
+
+    stopped = threading.Event()
+
+    def stop_later():
+        if stopped.wait(seconds):
+            return
+        os.write(2, f"agentrl: still running {seconds:g} s after the second signal (user code caught it?): "
+                    f"exiting now; status {status}\n".encode())
+        posix._exit(status)
+
+    threading.Thread(target=stop_later, name="agentrl-exit", daemon=True).start()
+    return stopped
+
+
 class Checkpointer:
     """What the training loops call after each step: checkpoints every `every` steps, after the last step
     and on SIGTERM/SIGINT (then exits cleanly), keeps the newest `keep`, and stops the run when
@@ -468,8 +506,11 @@ class Checkpointer:
                 what = f"{name} outside a training step: exiting (what finished is saved)"
             if is_main_process():  # os.write, not print: the handler may interrupt a print to stderr
                 os.write(2, f"agentrl: {what}; status {128 + signum}\n".encode())
+            if self.signal is not None:
+                watchdogs.append(_exit_unless_stopped(EXIT_GRACE_SECONDS, 128 + signum))
             raise SignalExit(128 + signum)
 
+        watchdogs = []
         try:
             previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
         except ValueError:  # not the main thread: signals stay as they are
@@ -477,6 +518,8 @@ class Checkpointer:
         try:
             yield self
         finally:
+            for stopped in watchdogs:  # the SignalExit got out of the job's code: the caller exits (or decides)
+                stopped.set()
             for s, h in previous.items():
                 signal.signal(s, h)
             if self.on_close is not None:

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -161,12 +162,31 @@ def _positive_finite(text: str) -> float:
     return value
 
 
+def _json_object(text: str) -> str:
+    """argparse type: a JSON object (kept as its text; the job parses it)."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise argparse.ArgumentTypeError(f"not a JSON object ({getattr(e, 'msg', e)}): {text[:80]}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object ({{...}}), got {type(value).__name__}: {text[:80]}")
+    return text
+
+
+def _output_file(text: str) -> str:
+    """argparse type: a file path to write; a directory there is refused before the work, not after it."""
+    if not text or Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text or repr(text)} is a directory; give a file path")
+    return text
+
+
 def _env_arguments(p: argparse.ArgumentParser, tasks: int) -> None:
     """The options every command that runs an environment shares."""
     p.add_argument("--env", default="agentrl.envs:CalculatorEnv", help="module:Class of the environment")
-    p.add_argument("--env-kwargs", default=None, help="JSON object passed to the environment")
+    p.add_argument("--env-kwargs", type=_json_object, default=None, help="JSON object passed to the environment")
     p.add_argument("--task-source", default="agentrl.envs:calculator_tasks", help="module:function or .jsonl")
-    p.add_argument("--tasks-kwargs", default=None, help="JSON object of more keyword arguments of the task function")
+    p.add_argument("--tasks-kwargs", type=_json_object, default=None,
+                   help="JSON object of more keyword arguments of the task function")
     p.add_argument("--tasks", type=_at_least_one, default=tasks)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=_at_least_one, default=48)
@@ -204,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="train", choices=["train", "eval"])
     p.add_argument("--samples", type=_at_least_one, default=4, help="trajectories per task (K)")
     p.add_argument("--temperature", type=_positive_finite, default=1.0)
-    p.add_argument("--out", required=True, help="pairs JSONL to write")
+    p.add_argument("--out", type=_output_file, required=True, help="pairs JSONL to write")
     p.add_argument("--judge", default=None, help="an LLM judge's choice instead of the environment's score: JSON of "
                    "reward.judge keys, e.g. '{\"mode\": \"ranking\", \"model\": \"smollm2-135m\"}' (docs/judge.md)")
     p.set_defaults(func=_cmd_preferences)
@@ -221,8 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     _env_arguments(p, tasks=200)
     p.add_argument("--judge", default="env", help="env, or reward-model:PATH")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--out", default=None, help="also write the result to this JSON file")
-    p.add_argument("--samples-out", default=None,
+    p.add_argument("--out", type=_output_file, default=None, help="also write the result to this JSON file")
+    p.add_argument("--samples-out", type=_output_file, default=None,
                    help="A/B episodes for `agentrl report` (default: samples.jsonl beside --out)")
     p.set_defaults(func=_cmd_compare)
 
@@ -235,8 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
                        parents=[debug])
     p.add_argument("run", nargs="?", help="a run directory (out_dir of a ppo/grpo/dpo job)")
     p.add_argument("--compare", nargs=2, metavar=("RUN_A", "RUN_B"), help="overlay two runs' curves")
-    p.add_argument("--out", default=None, help="HTML file to write (default: in the (first) run directory)")
-    p.add_argument("--screenshot", default=None, help="also save a PNG of the page (needs Chromium)")
+    p.add_argument("--out", type=_output_file, default=None,
+                   help="HTML file to write (default: in the (first) run directory)")
+    p.add_argument("--screenshot", type=_output_file, default=None, help="also save a PNG of the page (needs Chromium)")
     p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("eval", help="evaluate a model (and adapter) on held-out tasks", parents=[debug])
@@ -245,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     _env_arguments(p, tasks=200)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=_positive_finite, default=1.0)
-    p.add_argument("--out", default=None, help="also write the metrics to this JSON file")
+    p.add_argument("--out", type=_output_file, default=None, help="also write the metrics to this JSON file")
     p.set_defaults(func=_cmd_eval)
     return parser
 
@@ -287,10 +308,19 @@ def _exit_now(status: int) -> None:
     os._exit(status)
 
 
+def _term_outside_a_step(signum, frame) -> None:
+    from agentrl.errors import SignalExit
+
+    os.write(2, b"agentrl: SIGTERM outside a training step: exiting (what finished is saved); status 143\n")
+    raise SignalExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     from agentrl.errors import SignalExit, UserError
 
     args = build_parser().parse_args(argv)
+    if argv is None:  # the command line: a SIGTERM where no job's handler is set says so (as Ctrl-C does)
+        signal.signal(signal.SIGTERM, _term_outside_a_step)
     try:
         with _os_exit_raises():
             return args.func(args)

@@ -182,6 +182,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             raise ConfigError(f"override {item!r}: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: not valid YAML ({' '.join(str(e).split())})") from None
+        except ValueError as e:  # an integer past int_max_str_digits
+            key, problem = item.partition("=")[0], str(e).split(";")[0]
+            raise ConfigError(f"override {key}=...: a value Python will not read ({problem})") from None
     return data
 
 
@@ -204,6 +207,15 @@ def _too_many_values(data) -> bool:
     return False
 
 
+def _kind_of(path: Path) -> str:
+    import stat
+
+    mode = path.stat().st_mode
+    return ("a directory" if stat.S_ISDIR(mode) else "a pipe" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "not a regular file")
+
+
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None,
                 command: dict | None = None, defaults: dict | None = None) -> T:
     """Load `cls` from a YAML file (or its defaults when `path` is None) and apply overrides.
@@ -217,6 +229,8 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist")
+        if not path.is_file():  # reading a directory fails, and a device or a pipe may never end
+            raise ConfigError(f"config file {path} is {_kind_of(path)}, not a YAML file")
         try:
             data = _load_yaml(path.read_text(encoding="utf-8")) or {}
         except UnicodeDecodeError as e:
@@ -227,6 +241,8 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             raise ConfigError(f"{path}:{str(e).removeprefix('line ')}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML ({e})") from e
+        except ValueError as e:  # an integer past int_max_str_digits
+            raise ConfigError(f"{path}: a value Python will not read ({str(e).split(';')[0]})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of config keys")
         if _too_many_values(data):

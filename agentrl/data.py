@@ -38,11 +38,31 @@ def jsonl_rows(path: str | Path) -> list[tuple[str, object]]:
                                                        f"line is {raw[e.start:e.start + 1]!r})")))
             continue
         if line.strip():
-            try:
-                rows.append((f"{path}:{lineno}", json.loads(line)))
-            except json.JSONDecodeError as e:
-                rows.append((f"{path}:{lineno}", UserError(f"{path}:{lineno}: not valid JSON ({e.msg})")))
+            rows.append((f"{path}:{lineno}", parse_json_line(line, f"{path}:{lineno}")))
     return rows
+
+
+def parse_json_line(line: str, where: str) -> object:
+    """The JSON value of one line, or a UserError naming `where` when it is not JSON, or is JSON that Python
+    cannot hold (nested past the recursion limit, an integer over 4,300 digits) or no tokenizer can take (a
+    string with a lone surrogate, which UTF-8 cannot encode)."""
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as e:
+        return UserError(f"{where}: not valid JSON ({e.msg})")
+    except RecursionError:
+        return UserError(f"{where}: JSON nested too deep to read")
+    except ValueError as e:  # int_max_str_digits
+        return UserError(f"{where}: a number Python will not read ({str(e).split(';')[0]})")
+    if "\\ud" in line.lower():  # a cheap test first: lone surrogates come only from \u escapes
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            return UserError(f"{where}: a string holds a lone surrogate ({e.object[e.start:e.end]!r}), which is "
+                             f"not text")
+        except RecursionError:
+            return UserError(f"{where}: JSON nested too deep to read")
+    return value
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

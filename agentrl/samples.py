@@ -13,13 +13,13 @@ Numbers are what the trainer already computed in that step; writing them costs n
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
 import torch
 
 from agentrl.checkpoint import strict_json
+from agentrl.data import parse_json_line
 from agentrl.errors import UserError
 from agentrl.rollout.engine import Episode
 
@@ -166,14 +166,13 @@ def read_jsonl(path: str | Path) -> list[dict]:
     rows = []
     for n, line in enumerate(lines, 1):
         if line.strip():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
+            row = parse_json_line(line, f"{path}:{n}")
+            if isinstance(row, UserError):
                 if n == len(lines) and not text.endswith("\n"):
                     warnings.warn(f"{path}:{n}: skipping a torn last line (the job stopped while writing it)",
                                   stacklevel=2)
                     break
-                raise UserError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+                raise row
             if not isinstance(row, dict):
                 raise UserError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
             rows.append(row)

@@ -253,8 +253,9 @@ def _kill_children() -> None:
 def _kill_group(pid: int) -> None:
     """SIGKILL a forked call and every process it started (its process group; see _run_forked). Called before
     the child is reaped, so its pid, and with it the group's id, cannot have been reused."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
+    for kill in (os.kill, os.killpg):  # the child itself even if it is not (yet) its group's leader
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(pid, signal.SIGKILL)
 
 
 def _run_forked(observe: Callable[[str, Any], tuple[str, bool]], fn: Callable, kwargs: dict,
@@ -284,7 +285,7 @@ def _run_forked(observe: Callable[[str, Any], tuple[str, bool]], fn: Callable, k
     with contextlib.suppress(OSError):  # also here, so no kill below can come before the child's own setpgid
         os.setpgid(pid, pid)
     os.close(write_end)
-    deadline, chunks, answered = time.monotonic() + timeout, [], False
+    deadline, chunks = time.monotonic() + timeout, []
     try:
         while True:
             left = deadline - time.monotonic()
@@ -292,14 +293,11 @@ def _run_forked(observe: Callable[[str, Any], tuple[str, bool]], fn: Callable, k
                 return "timeout", None
             chunk = os.read(read_end, 65536)
             if not chunk:
-                answered = True
                 break
             chunks.append(chunk)
     finally:  # also when a signal's exit interrupts the wait: never leave the child running
         os.close(read_end)
-        if not answered:
-            os.kill(pid, signal.SIGKILL)
-        _kill_group(pid)  # what the call started, answered or not
+        _kill_group(pid)  # the child if it has not answered, and what the call started, answered or not
         _, status = os.waitpid(pid, 0)
         _CHILDREN.discard(pid)
     if chunks:
@@ -346,8 +344,11 @@ class ToolRunner:
 
     def __call__(self, call: ToolCall) -> tuple[str, bool]:
         """(observation text, ok). Never raises."""
-        if call.name not in self.functions:
+        if not isinstance(call.name, str) or call.name not in self.functions:
             return f"Error: unknown tool {call.name!r}; available: {', '.join(self.functions)}", False
+        if not isinstance(call.arguments, dict):  # a parser always gives a dict; code that builds calls may not
+            return (f"Error: {call.name}: the arguments must be a JSON object, got "
+                    f"{type(call.arguments).__name__}"), False
         problem = validate_arguments(self.schemas[call.name], call.arguments)
         if problem:
             return f"Error: {call.name}: {problem}", False

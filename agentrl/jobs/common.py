@@ -317,7 +317,10 @@ def prepare_run(model_cfg: ModelSection, env_cfg: EnvSection, rollout_cfg: Rollo
     else:
         from agentrl.models.pretrained import resolve_model_dir
 
-        base_dir = resolve_model_dir(base_dir)  # a preset or a GGUF: the converted directory (vLLM reads it too)
+        try:
+            base_dir = resolve_model_dir(base_dir)  # a preset or a GGUF: the converted directory (vLLM reads it too)
+        except UserError as e:
+            raise ConfigError(f"model.base: {e}") from None
     model, tokenizer = load_base(base_dir, model_cfg)
     return Run(base_dir, model, tokenizer, env_factory, eval_tasks, rollout_cfg.max_new_tokens, eval_seed,
                rollout_cfg.max_context, rollout_cfg.max_observation_tokens)

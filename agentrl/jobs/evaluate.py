@@ -5,6 +5,7 @@ Every other job evaluates through `evaluate` too, before and after training."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -57,6 +58,8 @@ def load_policy(model_dir: str, adapter_dir: str | None = None, **load_kwargs):
     from agentrl.models.pretrained import resolve_model_dir
     from agentrl.trainers.common import default_pad_token
 
+    if adapter_dir and Path(adapter_dir).exists() and not (Path(adapter_dir) / "adapter_config.json").is_file():
+        raise UserError(f"{adapter_dir}: not a PEFT adapter directory (no adapter_config.json in it)")
     model_dir = resolve_model_dir(model_dir)  # a preset name or a GGUF file: its converted directory
 
     try:

@@ -144,11 +144,14 @@ def _add_mismatch(metrics: list[dict], samples: list[dict]) -> None:
 
 def _series(metrics: list[dict], keys: list[str]) -> tuple[list[float], list[float]]:
     for key in keys:
-        pts = [(r["step"], r[key]) for r in metrics if isinstance(r.get(key), (int, float)) and "step" in r
-               and math.isfinite(r[key])]
+        pts = [(r["step"], r[key]) for r in metrics if _finite(r.get(key)) and _finite(r.get("step"))]
         if pts:
             return [p[0] for p in pts], [p[1] for p in pts]
     return [], []
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _ema(ys: list[float], n: int) -> list[float]:
@@ -160,49 +163,62 @@ def _ema(ys: list[float], n: int) -> list[float]:
 
 
 def curve_images(runs: list[dict]) -> list[tuple[str, str]]:
-    """(title, PNG data URI) per panel that has data in any of `runs`; runs overlaid by colour."""
+    """(title, PNG data URI) per panel that has data in any of `runs`; runs overlaid by colour. A panel that
+    matplotlib cannot draw (values near float's limits leave it no ticks) is left out with a warning."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
-    colours = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
-    styles = ["-", "--", ":"]
     images = []
     for title, series in PANELS:
         data = [(run, label, *_series(run["metrics"], keys)) for run in runs for label, keys in series]
         if not any(xs for _, _, xs, _ in data):
             continue
         fig, ax = plt.subplots(figsize=(4.4, 2.5), dpi=90)
-        for run_i, run in enumerate(runs):
-            for s_i, (label, _) in enumerate(series):
-                _, _, xs, ys = data[run_i * len(series) + s_i]
-                if not xs:
-                    continue
-                name = label if len(runs) == 1 else (run["name"] if len(series) == 1 else f"{run['name']}: {label}")
-                colour = colours[(run_i if len(runs) > 1 else s_i) % len(colours)]
-                style = styles[s_i % len(styles)] if len(runs) > 1 else "-"
-                if len(xs) > 8:  # raw values faint, smoothed on top
-                    ax.plot(xs, ys, color=colour, alpha=0.25, linewidth=1, linestyle=style)
-                    ax.plot(xs, _ema(ys, len(ys)), color=colour, linewidth=1.8, linestyle=style, label=name)
-                else:
-                    ax.plot(xs, ys, color=colour, linewidth=1.8, linestyle=style, marker="o", markersize=3, label=name)
-        if title in RATE_PANELS:
-            ax.set_ylim(-0.03, 1.03)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-        if len(runs) > 1 or len(series) > 1:
-            ax.legend(fontsize=7, frameon=False)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        plt.close(fig)
-        images.append((title, "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()))
+        try:
+            images.append((title, "data:image/png;base64," + base64.b64encode(_draw(fig, ax, title, series, runs,
+                                                                                    data)).decode()))
+        except (ValueError, OverflowError) as e:
+            warnings.warn(f"report: the {title!r} panel is not drawn: matplotlib cannot place its values ({e})",
+                          stacklevel=2)
+        finally:
+            plt.close(fig)
     return images
+
+
+def _draw(fig, ax, title: str, series, runs: list[dict], data: list) -> bytes:
+    """One panel's PNG: each run's series (raw values faint and smoothed on top when there are many)."""
+    from matplotlib.ticker import MaxNLocator
+
+    colours = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
+    styles = ["-", "--", ":"]
+    for run_i, run in enumerate(runs):
+        for s_i, (label, _) in enumerate(series):
+            _, _, xs, ys = data[run_i * len(series) + s_i]
+            if not xs:
+                continue
+            name = label if len(runs) == 1 else (run["name"] if len(series) == 1 else f"{run['name']}: {label}")
+            colour = colours[(run_i if len(runs) > 1 else s_i) % len(colours)]
+            style = styles[s_i % len(styles)] if len(runs) > 1 else "-"
+            if len(xs) > 8:  # raw values faint, smoothed on top
+                ax.plot(xs, ys, color=colour, alpha=0.25, linewidth=1, linestyle=style)
+                ax.plot(xs, _ema(ys, len(ys)), color=colour, linewidth=1.8, linestyle=style, label=name)
+            else:
+                ax.plot(xs, ys, color=colour, linewidth=1.8, linestyle=style, marker="o", markersize=3, label=name)
+    if title in RATE_PANELS:
+        ax.set_ylim(-0.03, 1.03)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("step", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(alpha=0.3)
+    if len(runs) > 1 or len(series) > 1:
+        ax.legend(fontsize=7, frameon=False)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
 
 
 # --- HTML pieces ----------------------------------------------------------------------------------------

@@ -77,8 +77,17 @@ def gguf_in(path: Path) -> Path | None:
 def resolve_model_dir(base: str) -> str:
     """A plain model directory for model.base: presets and GGUF files are converted (once, cached)."""
     path = preset_path(base) if base in PRESETS else Path(base)
+    if not path.exists() and _local_path(str(base)):  # transformers would ask the Hub for it (~30-50 s)
+        raise UserError(f"{base}: no such model directory or file (nor one of the presets {sorted(PRESETS)})")
     gguf = gguf_in(path)
     return str(converted_gguf(gguf)) if gguf is not None else base
+
+
+def _local_path(name: str) -> bool:
+    """Whether `name` can only mean a local path, not a Hub id ("org/name"): it starts with /, . or ~, has more
+    than one /, or its first part is a local directory (runs/typo when ./runs exists)."""
+    parts = name.split("/")
+    return name.startswith(("/", ".", "~")) or len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir())
 
 
 def gguf_quantization(gguf: Path) -> str:

@@ -280,8 +280,11 @@ def _step_all(envs: list, actions: list[str], timeout: float | None = None) -> l
             return StepResult(None, 0.0, True, {"env_timeout": e})
 
     if len(envs) > 1 and env_option(envs[0], "concurrent_steps"):
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(STEP_WORKERS, len(envs))) as pool:
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(STEP_WORKERS, len(envs)))
+        try:
             return list(pool.map(step, envs, actions))
+        finally:  # not `with`: on a stop signal its exit would wait for a step that hangs (no deadline)
+            pool.shutdown(wait=False, cancel_futures=True)
     return [step(env, action) for env, action in zip(envs, actions)]
 
 

@@ -4,6 +4,7 @@ that cannot be logged, os._exit in user code, a Ctrl-C while the job loads, and 
 when a run exits on a signal."""
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -218,3 +219,135 @@ def test_a_fresh_start_clears_only_what_jobs_wrote_under_checkpoints(tmp_path):
     assert open_run(tmp_path, None, {"steps": 4}) is None
     unlock_run(tmp_path)
     assert sorted(p.name for p in root.iterdir()) == ["README.txt", "notes"]
+
+
+def test_a_second_signal_ends_a_step_that_swallows_it(tmp_path):
+    """A step that catches BaseException around its hang swallows the SignalExit of the second signal too; the
+    process still ends, EXIT_GRACE_SECONDS later, with 128 + the signal and a line saying why."""
+    import signal
+    import subprocess
+    import sys
+
+    script = (f"import time, agentrl.checkpoint as c\n"
+              f"c.EXIT_GRACE_SECONDS = 1.0\n"
+              f"ckpt = c.Checkpointer({str(tmp_path / 'checkpoints')!r}, every=2)\n"
+              f"with ckpt.signals(), ckpt.loop():\n"
+              f"    print('in the step', flush=True)\n"
+              f"    while True:\n"
+              f"        try:\n"
+              f"            time.sleep(1000)\n"
+              f"        except BaseException:\n"
+              f"            pass\n")
+    job = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert job.stdout.readline().strip() == "in the step"
+    job.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    job.send_signal(signal.SIGTERM)
+    try:
+        _, err = job.communicate(timeout=30)
+    finally:
+        job.kill()
+    assert job.returncode == 143
+    assert "a second SIGTERM before the step ended" in err and "still running 1 s after the second signal" in err
+
+
+# Inputs that reached a traceback: JSON Python cannot hold, paths that are not files, hub look-ups for typos.
+
+@pytest.mark.parametrize("line, problem", [
+    ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "JSON nested too deep to read"),
+    ('{"a": ' + "9" * 5000 + "}", "a number Python will not read"),
+    ('{"prompt": "a\\ud800b"}', r"a string holds a lone surrogate \('\\ud800'\)"),
+    ('{"prompt": "a\\uDC00"}', r"a string holds a lone surrogate \('\\udc00'\)")])
+def test_json_lines_python_cannot_hold_are_named_by_file_and_line(tmp_path, line, problem):
+    from agentrl.data import read_jsonl
+    from agentrl.errors import UserError
+    from agentrl.samples import read_jsonl as read_run_jsonl
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "fine \\u00e9 \\ud83d\\ude00"}\n' + line + "\n")
+    for read in (read_jsonl, read_run_jsonl):
+        with pytest.raises(UserError, match=rf"rows.jsonl:2: {problem}"):
+            read(path)
+    path.write_text('{"prompt": "fine \\u00e9 \\ud83d\\ude00"}\n')
+    assert read_jsonl(path) == [{"prompt": "fine \u00e9 \U0001F600"}]
+
+
+def test_config_paths_that_are_not_files_and_huge_integers_are_named(tmp_path):
+    from agentrl.jobs.ppo import JobConfig
+
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    for path, kind in ((tmp_path, "a directory"), (fifo, "a pipe"), (Path("/dev/zero"), "a device")):
+        with pytest.raises(ConfigError, match=f"config file {path} is {kind}, not a YAML file"):
+            load_config(JobConfig, path)
+    (tmp_path / "big.yaml").write_text("steps: " + "9" * 5000 + "\n")
+    with pytest.raises(ConfigError, match=r"big.yaml: a value Python will not read \(Exceeds the limit"):
+        load_config(JobConfig, tmp_path / "big.yaml")
+    with pytest.raises(ConfigError, match=r"override steps=\.\.\.: a value Python will not read"):
+        load_config(JobConfig, None, ["steps=" + "9" * 5000])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "--model", "m", "--tasks-kwargs", "{bad json"], "argument --tasks-kwargs: not a JSON object"),
+    (["eval", "--model", "m", "--env-kwargs", "[1]"], r"--env-kwargs: must be a JSON object \(\{...\}\), got list"),
+    (["eval", "--model", "m", "--out", "."], r"argument --out: \. is a directory; give a file path"),
+    (["report", "r", "--out", "."], r"argument --out: \. is a directory")])
+def test_command_line_arguments_are_checked_before_any_work(argv, message, capsys):
+    from agentrl.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2 and re.search(message, capsys.readouterr().err)
+
+
+def test_writing_to_a_directory_or_an_unwritable_place_is_named_and_leaves_nothing(tmp_path):
+    from agentrl.checkpoint import write_text_atomically
+    from agentrl.errors import UserError
+
+    with pytest.raises(UserError, match="is a directory; give a file path"):
+        write_text_atomically(tmp_path, "x")
+    with pytest.raises(UserError, match=r"/proc/x.html: cannot write it \("):
+        write_text_atomically("/proc/x.html", "x")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_report_whose_values_matplotlib_cannot_place_skips_that_panel(tmp_path):
+    import json
+
+    from agentrl.jobs.report import write_report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"algo": "ppo", "steps": 2}))
+    rows = [{"step": 1, "objective/kl": 1e308, "env/accuracy": 0.5}, {"step": 2, "objective/kl": -1e308,
+                                                                        "env/accuracy": 0.6}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.warns(UserWarning, match="panel is not drawn: matplotlib cannot place its values"):
+        path = write_report(run)
+    assert path.is_file() and "data:image/png;base64," in path.read_text()
+
+
+def test_a_path_like_model_name_that_does_not_exist_fails_without_asking_the_hub(tmp_path, monkeypatch):
+    from agentrl.errors import UserError
+    from agentrl.jobs.evaluate import load_policy
+    from agentrl.models.pretrained import resolve_model_dir
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "notes.txt").write_text("x")
+    for name in ("runs/nope-model", "./nope", "/nonexistent/model", "a/b/c"):
+        with pytest.raises(UserError, match="no such model directory or file"):
+            resolve_model_dir(name)
+    assert resolve_model_dir("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M"  # a Hub id stays one
+    with pytest.raises(UserError, match="notes.txt: not a PEFT adapter directory"):
+        load_policy("runs/any-model", "notes.txt")  # before loading the model
+
+
+def test_a_tool_call_built_in_code_with_arguments_that_are_not_an_object_is_an_observation():
+    from agentrl.envs.tools import ToolCall, ToolRunner
+    from test_reliability_tools import echo
+
+    runner = ToolRunner([echo])
+    assert runner(ToolCall("echo", None)) == ("Error: echo: the arguments must be a JSON object, got NoneType", False)
+    assert runner(ToolCall("echo", [1])) == ("Error: echo: the arguments must be a JSON object, got list", False)
+    assert runner(ToolCall(["echo"], {}))[0].startswith("Error: unknown tool ['echo']")
