@@ -100,7 +100,9 @@ def write_text_atomically(path: str | Path, text: str) -> None:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass  # it may not exist, or be unwritable like its directory
-        raise UserError(f"{path}: cannot write it ({e.strerror or e})") from None
+        why = (f"a part of {path.parent} is a file, not a directory"
+               if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror or e)
+        raise UserError(f"{path}: cannot write it ({why})") from None
 
 
 def finite_or_none(obj: Any) -> Any:
