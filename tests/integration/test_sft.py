@@ -137,7 +137,7 @@ def test_a_users_mistake_is_one_line_and_exit_code_2(tiny_base, tmp_path, capsys
     assert main(["ppo", "--config", "quickstart", "env.name=no_such_module:Env", f"out_dir={tmp_path}"]) == 2
     assert last_line(capsys).startswith("agentrl: error: env.name: cannot load 'no_such_module:Env'")
     assert main(["eval", "--model", str(tmp_path / "missing")]) == 2
-    assert last_line(capsys).startswith(f"agentrl: error: {tmp_path / 'missing'}: cannot load a model")
+    assert last_line(capsys).startswith(f"agentrl: error: {tmp_path / 'missing'}: no such model directory or file")
     with pytest.raises(ValueError, match="env.name"):  # --debug: the traceback
         main(["ppo", "--debug", "--config", "quickstart", "env.name=no_such_module:Env", f"out_dir={tmp_path}"])
 
