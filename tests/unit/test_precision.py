@@ -34,9 +34,17 @@ def test_the_real_model_config_resolves_auto_for_every_trainer_section():
 
 
 def test_a_trainer_accelerator_resolves_auto():
+    from accelerate.state import AcceleratorState
+
     from agentrl.distributed import make_accelerator
 
-    assert make_accelerator(mixed_precision="auto").mixed_precision == ("bf16" if native_bf16("cpu") else "no")
+    # accelerate keeps one state a process: an earlier test's fp32 accelerator would refuse bf16 on a bf16 CPU
+    AcceleratorState._reset_state(True)
+    try:
+        precision = make_accelerator(mixed_precision="auto").mixed_precision
+    finally:
+        AcceleratorState._reset_state(True)
+    assert precision == ("bf16" if native_bf16("cpu") else "no")
 
 
 def test_the_ppo_and_grpo_commands_resolve_auto_too():
