@@ -30,7 +30,7 @@ def run_ppo(args, work, tok) -> dict:
 
     from agentrl import PPOConfig, PPOTrainer
 
-    s = common.TASKS["ppo"]
+    s = common.task_settings("ppo", work)
     model = lora_model(args.model)
     facts = common.model_facts(model)
     config = PPOConfig(batch_size=s["batch_size"], mini_batch_size=s["mini_batch_size"], ppo_epochs=s["ppo_epochs"],
@@ -53,7 +53,7 @@ def run_ppo(args, work, tok) -> dict:
     flops = common.step_loop(args, one_step, clock)
     settings = {"batch_size": config.batch_size, "mini_batch_size": config.mini_batch_size,
                 "ppo_epochs": config.ppo_epochs, "learning_rate": config.learning_rate,
-                "query_tokens": sorted({len(q) for q in queries_all}), "generate": gen,
+                "query_tokens": [min(map(len, queries_all)), max(map(len, queries_all))], "generate": gen,
                 "response_tokens_mean": sum(lengths) / len(lengths), "precision": config.mixed_precision}
     return {"steps": clock.steps, "cpu_steps": clock.cpu_steps, "settings": settings, "model": facts,
             "moved": common.moved(before, model), "flops_per_step": flops}
@@ -78,7 +78,7 @@ def run_grpo(args, work, tok) -> dict:
     from agentrl import GRPOConfig, GRPOTrainer
     from agentrl.rollout import SamplingParams
 
-    s = common.TASKS["grpo"]
+    s = common.task_settings("grpo", work)
     model = lora_model(args.model)
     facts = common.model_facts(model)
     config = GRPOConfig(tasks_per_step=s["prompts"], num_generations=s["num_generations"],
@@ -105,7 +105,7 @@ def run_grpo(args, work, tok) -> dict:
 def run_dpo(args, work, tok) -> dict:
     from agentrl import DPOConfig, DPOTrainer
 
-    s = common.TASKS["dpo"]
+    s = common.task_settings("dpo", work)
     model = lora_model(args.model)
     facts = common.model_facts(model)
     with tempfile.TemporaryDirectory() as out:

@@ -26,6 +26,13 @@ TASKS = {
     "dpo": {"batch_size": 16, "beta": 0.1, "learning_rate": 5e-5, "max_grad_norm": 1.0},
 }
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+# At SmolLM2-135M (run.py --models smollm2-135m) the batches of configs/real.yaml: 16 episodes a step, answers of
+# at most 48 tokens, chat-template prompts of the word-problem task (the workload file carries these).
+REAL_MODEL_TASKS = {
+    "ppo": {"batch_size": 16, "response_tokens": 48, "mini_batch_size": 8, "ppo_epochs": 2},
+    "grpo": {"prompts": 2, "num_generations": 8, "completion_tokens": 48, "mini_batch_size": 16},
+    "dpo": {"batch_size": 8},
+}
 PEER = {"ppo": "TRL 0.11.4", "grpo": "TRL 1.16.0", "dpo": "TRL 1.16.0"}
 PEER_VENV = {"ppo": "trl011", "grpo": "trl116", "dpo": "trl116"}
 
@@ -41,6 +48,11 @@ def one_thread() -> None:
 def load_workload(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
+
+
+def task_settings(task: str, work: dict) -> dict:
+    """TASKS[task] with the workload's overrides for its model (the real model's smaller batches)."""
+    return {**TASKS[task], **work.get("settings", {}).get(task, {})}
 
 
 def digit_reward(text: str) -> float:

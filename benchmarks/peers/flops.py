@@ -57,7 +57,7 @@ def main() -> None:
     import torch
 
     models_dir = Path(args.models_dir).resolve()
-    run.prepare(models_dir)
+    run.prepare(models_dir, [args.model])
     peaks = {"float32": gemm_peak(torch.float32), "bfloat16": gemm_peak(torch.bfloat16)}
     print(f"GEMM peak, one thread: fp32 {peaks['float32']['gflops']:.1f} GFLOP/s {peaks['float32']['by_size']}, "
           f"bf16 {peaks['bfloat16']['gflops']:.1f} GFLOP/s {peaks['bfloat16']['by_size']}", flush=True)
@@ -70,7 +70,8 @@ def main() -> None:
         if args.counted:
             r = json.loads(Path(args.counted).read_text())["sides"][side]
         else:  # one step, counted: no warm-up and no timed step (the time comes from the side-by-side run)
-            r = run.worker(side, "ppo", models_dir / args.model, models_dir / "workload.json", 0, 0, python,
+            r = run.worker(side, "ppo", models_dir / args.model, run.workload_path(models_dir, args.model), 0, 0,
+                           python,
                            extra=["--count-flops"])
         out["sides"][side] = {"library": r["library"], "flops_per_step": r["flops_per_step"]}
         print(f"{r['library']}: {r['flops_per_step'] / 1e9:.1f} GFLOP a PPO step", flush=True)

@@ -33,7 +33,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import common  # noqa: E402
 
-MODELS = {"embedded": "embedded 150 K", "26m": "Llama 26 M"}
+MODELS = {"embedded": "embedded 150 K", "26m": "Llama 26 M", "smollm2-135m": "SmolLM2-135M-Instruct"}
+REAL_MODELS = {"smollm2-135m"}  # agentrl's presets: the weights of a pretrained model, its tokenizer and template
 
 
 def base_model(model: str) -> str:
@@ -50,7 +51,8 @@ def model_label(model: str) -> str:
 # this shared 2-core machine (one GRPO process measured 5.6-6.2 s, the next 7.0-8.1 s on the same work), so the
 # 26 M rows time 2-5 steps a process after one warm-up; a 26 M PPO step is ~25 CPU seconds.
 STEPS = {("ppo", "embedded"): (1, 2), ("grpo", "embedded"): (1, 3), ("dpo", "embedded"): (1, 5),
-         ("ppo", "26m"): (1, 2), ("grpo", "26m"): (1, 3), ("dpo", "26m"): (1, 5)}
+         ("ppo", "26m"): (1, 2), ("grpo", "26m"): (1, 3), ("dpo", "26m"): (1, 5),
+         ("ppo", "smollm2-135m"): (1, 1), ("grpo", "smollm2-135m"): (1, 1), ("dpo", "smollm2-135m"): (1, 2)}
 LLAMA_26M = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
              "intermediate_size": 1408, "max_position_embeddings": 256}
 
@@ -82,6 +84,53 @@ def prepare(models_dir: Path, models: list[str] = ("26m",)) -> None:
     workload = models_dir / "workload.json"
     if not workload.exists():
         workload.write_text(json.dumps(make_workload(tok)))
+    for name in REAL_MODELS.intersection(models):
+        prepare_real(models_dir, name)
+
+
+def workload_path(models_dir: Path, model: str) -> Path:
+    """The 26 M models share the embedded tokenizer's workload; a real model has its own (its ids, its template)."""
+    return models_dir / (f"workload-{model}.json" if model in REAL_MODELS else "workload.json")
+
+
+def prepare_real(models_dir: Path, name: str) -> None:
+    """A pretrained preset, as agentrl converts it (a plain model directory), linked under models_dir where both
+    sides load it, and its workload: the word-problem task's prompts as the chat rollout renders them (SmolLM2's
+    template drops tools, so agentrl writes the calculator's schema into the system message), their token ids,
+    and DPO pairs of whole conversations (the tool call, its result and the answer; against a wrong guess)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from agentrl.envs import WordProblemEnv, word_problem_tasks
+    from agentrl.envs.chat import conversation_segments
+    from agentrl.envs.word_problems import word_problem_messages
+    from agentrl.models.pretrained import resolve_model_dir
+
+    link = models_dir / name
+    if not link.exists():
+        link.symlink_to(resolve_model_dir(name), target_is_directory=True)
+    workload = workload_path(models_dir, name)
+    if workload.exists():
+        return
+    tok = AutoTokenizer.from_pretrained(link)
+    env = WordProblemEnv()
+    env.bind_tokenizer(tok)
+    tasks = word_problem_tasks(256, seed=0)
+    prompts = [env.reset(t) for t in tasks]
+    rng, pairs, lengths = random.Random(0), [], []
+    for task, prompt in zip(tasks, prompts):
+        row = {"prompt": prompt}
+        for key, use_tool in (("chosen", True), ("rejected", False)):
+            demo = word_problem_messages(task, use_tool, rng)
+            segments = conversation_segments(tok, demo["messages"][:1], demo["messages"][1:], demo["tools"])
+            row[key] = "".join(text for text, _ in segments)
+        pairs.append(row)
+        lengths.append(sum(len(tok(row[k], add_special_tokens=False)["input_ids"]) for k in row))
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    workload.write_text(json.dumps({"ppo_query_ids": ids, "prompts": prompts, "pairs": pairs,
+                                    "pair_tokens_mean": round(sum(lengths) / len(lengths), 1),
+                                    "settings": common.REAL_MODEL_TASKS}))
 
 
 def make_workload(tok) -> dict:
@@ -246,8 +295,17 @@ def side_by_side(task: str, model: str, a: dict, p: dict) -> str:
     return f"{task} on {model_label(model)}:\n" + "\n".join(out)
 
 
-LABELS = {"ppo": "PPO (64 x 14+<=32 tokens, mini-batch 16, 4 epochs)", "grpo": "GRPO (8 prompts x 8, <= 32 new tokens, beta 0)",
-          "dpo": "DPO (batch 16, ~{n} tokens a pair)"}
+def label(task: str, work: dict) -> str:
+    """The table's step column, from the settings both sides ran with (common.task_settings)."""
+    s = common.task_settings(task, work)
+    if task == "ppo":
+        lengths = sorted(map(len, work["ppo_query_ids"][:s["batch_size"]]))
+        query = f"{lengths[0]}" if lengths[0] == lengths[-1] else f"{lengths[0]}-{lengths[-1]}"
+        return (f"PPO ({s['batch_size']} x {query}+<={s['response_tokens']} tokens, mini-batch {s['mini_batch_size']}, "
+                f"{s['ppo_epochs']} epochs)")
+    if task == "grpo":
+        return f"GRPO ({s['prompts']} prompts x {s['num_generations']}, <= {s['completion_tokens']} new tokens, beta 0)"
+    return f"DPO (batch {s['batch_size']}, ~{round(work['pair_tokens_mean'])} tokens a pair)"
 
 
 def main() -> None:
@@ -277,12 +335,12 @@ def main() -> None:
     if unknown:
         parser.error(f"--models: unknown {unknown}; known: {sorted(MODELS)} or 26m-vN (N: a vocabulary size)")
     prepare(models_dir, models)
-    work = json.loads((models_dir / "workload.json").read_text())
     peers = Path(args.peers_dir).resolve()
     load_before = os.getloadavg()
     print(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)}", flush=True)
     rows, started = [], time.time()
     for model in models:
+        work = json.loads(workload_path(models_dir, model).read_text())
         for task in args.tasks.split(","):
             warmup, steps = STEPS[(task, base_model(model))]
             warmup = warmup if args.warmup is None else args.warmup
@@ -291,7 +349,7 @@ def main() -> None:
             runs = {"agentrl": [], "peer": []}
             for repeat in range(args.repeats):  # pairs of processes: agentrl starts the even ones, the peer the odd ones
                 sides = [("agentrl", sys.executable), ("peer", peer_python)][:: 1 if repeat % 2 == 0 else -1]
-                work_args = (task, models_dir / model, models_dir / "workload.json", steps, warmup)
+                work_args = (task, models_dir / model, workload_path(models_dir, model), steps, warmup)
                 if args.lockstep:
                     results = lockstep_pair(sides, *work_args, ["--precision", args.precision])
                 else:
@@ -304,7 +362,7 @@ def main() -> None:
                           f"CPU {[round(s, 3) for s in r['cpu_steps']]}, {r['peak_rss_mb']:.0f} MB, "
                           f"moved {r['moved']['max_abs_change']:.2e} ({r['wall_s']} s)", flush=True)
             print(side_by_side(task, model, runs["agentrl"][0], runs["peer"][0]), flush=True)
-            rows.append({"task": task, "model": model_label(model), "label": LABELS[task].format(n=round(work["pair_tokens_mean"]))
+            rows.append({"task": task, "model": model_label(model), "label": label(task, work)
                          + (", bf16 autocast both" if args.precision == "bf16" else ""),
                          "peer_name": common.PEER[task], "agentrl": summarise(runs["agentrl"]),
                          "peer": summarise(runs["peer"]), "runs": runs, "lockstep": args.lockstep,

@@ -28,7 +28,7 @@ def run_ppo(args, work, tok) -> dict:
     import torch
     from trl import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 
-    s = common.TASKS["ppo"]
+    s = common.task_settings("ppo", work)
     model = AutoModelForCausalLMWithValueHead.from_pretrained(args.model, peft_config=lora_config(),
                                                               torch_dtype=torch.float32)
     facts = common.model_facts(model.pretrained_model)
@@ -53,7 +53,7 @@ def run_ppo(args, work, tok) -> dict:
     flops = common.step_loop(args, one_step, clock)
     settings = {"batch_size": config.batch_size, "mini_batch_size": config.mini_batch_size,
                 "ppo_epochs": config.ppo_epochs, "learning_rate": config.learning_rate,
-                "query_tokens": sorted({len(q) for q in queries_all}), "generate": gen,
+                "query_tokens": [min(map(len, queries_all)), max(map(len, queries_all))], "generate": gen,
                 "response_tokens_mean": sum(lengths) / len(lengths),
                 "precision": trainer.accelerator.mixed_precision}
     return {"steps": clock.steps, "cpu_steps": clock.cpu_steps, "settings": settings, "model": facts,
@@ -86,7 +86,7 @@ def run_grpo(args, work, tok) -> dict:
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
-    s = common.TASKS["grpo"]
+    s = common.task_settings("grpo", work)
 
     def digit_reward(completions, **kwargs):
         return [common.digit_reward(c) for c in completions]
@@ -122,7 +122,7 @@ def run_dpo(args, work, tok) -> dict:
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
 
-    s = common.TASKS["dpo"]
+    s = common.task_settings("dpo", work)
     clock = common.StepClock()
     with tempfile.TemporaryDirectory() as out:
         config = DPOConfig(**common_args(args, out), per_device_train_batch_size=s["batch_size"], beta=s["beta"],

@@ -125,3 +125,20 @@ def test_in_lockstep_a_process_that_cannot_start_stops_the_other(run, stepper, t
     with pytest.raises(FileNotFoundError):  # e.g. a peer venv that setup.sh did not make
         run.lockstep([([sys.executable, str(script), "A", "50"], env), ([str(tmp_path / "no-python"), "B"], env)])
     assert len(started) == 1 and started[0].returncode == -9  # killed, not left running its 50 steps alone
+
+
+def test_the_real_models_workload_sets_both_sides_batches_and_the_labels_say_them(run, tmp_path):
+    import common
+
+    work = {"ppo_query_ids": [[1] * 160, [2] * 173] * 8, "pair_tokens_mean": 236.6,
+            "settings": common.REAL_MODEL_TASKS}
+    assert common.task_settings("ppo", work)["batch_size"] == 16
+    assert common.task_settings("ppo", work)["learning_rate"] == common.TASKS["ppo"]["learning_rate"]  # kept
+    assert common.task_settings("grpo", {})["prompts"] == common.TASKS["grpo"]["prompts"]  # no overrides
+    assert run.label("ppo", work) == "PPO (16 x 160-173+<=48 tokens, mini-batch 8, 2 epochs)"
+    assert run.label("grpo", work) == "GRPO (2 prompts x 8, <= 48 new tokens, beta 0)"
+    assert run.label("dpo", work) == "DPO (batch 8, ~237 tokens a pair)"
+    assert run.label("ppo", {"ppo_query_ids": [[1] * 14] * 64}) == "PPO (64 x 14+<=32 tokens, mini-batch 16, 4 epochs)"
+    assert run.workload_path(tmp_path, "smollm2-135m").name == "workload-smollm2-135m.json"
+    assert run.workload_path(tmp_path, "26m-v151936").name == "workload.json"
+    assert run.model_label("smollm2-135m") == "SmolLM2-135M-Instruct"
