@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import time
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -59,6 +60,15 @@ def end_processes() -> None:
         # starts a world of one and closes it itself at exit, with "Invalid process group" if it is gone).
         return
     wait_for_everyone()
+    # Hand the GIL to gloo's worker thread before anything can free the group. Once the barrier completes, that
+    # thread still drops its reference to the barrier's work. That work holds earlier broadcasts whose tensors are
+    # Python objects, so dropping it needs the GIL. The group's last owner is DDP's reducer, which frees the group
+    # when the job's objects are freed. ~ProcessGroupGloo joins the worker threads while holding the GIL. If the
+    # thread has not finished by then, each waits for the other forever: a finished 2-process job hung at exit,
+    # about 1 run in 3 under CPU load (py-spy: MainThread in ~ProcessGroupGloo -> thread::join, the gloo thread in
+    # ~AsyncBarrierWork -> decref_pyobject -> gil_scoped_acquire). Sleeping releases the GIL; torch exposes no
+    # completion to wait on.
+    time.sleep(END_GRACE_SECONDS)
     partial_state().destroy_process_group()
     # destroy_process_group drops torch's own references to the group, not those of the objects using it (an FSDP
     # unit keeps its process_group). Freed during the interpreter's finalization, gloo's work objects can abort
@@ -70,6 +80,7 @@ def end_processes() -> None:
 
 
 _COLLECT_AT_EXIT = False
+END_GRACE_SECONDS = 0.5  # see end_processes: time for gloo's thread to drop its last work
 
 
 def make_accelerator(**kwargs):
