@@ -46,7 +46,7 @@ demo-real: $(STAMP)
 	.venv/bin/agentrl report runs/real-ppo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto --dist loadgroup --durations=15
+	$(PY) -m pytest -q -n auto --durations=15
 
 clean:
 	rm -rf runs .pytest_cache

@@ -13,19 +13,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist's --dist loadgroup, the tests that share an expensive fixture go to one worker, which
-    builds it once: those of the session's embedded base model, and each module's tests that use one of its
-    module-scoped fixtures. The other tests are spread one by one."""
-    for item in items:
-        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-        if "embedded_base" in defs:
-            item.add_marker(pytest.mark.xdist_group("embedded_base"))
-        elif any(d.scope == "module" for fixtures in defs.values() for d in fixtures):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory):
     """A quickly trained tiny base model (same builder, few steps): real files, loadable with from_pretrained."""
@@ -38,8 +25,19 @@ def tiny_base(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def embedded_base(tmp_path_factory):
-    """The full-size embedded base model, as `make demo` builds it (about 100 s, once per session)."""
+    """The full-size embedded base model, as `make demo` builds it (about 60-100 s, once per test run). Under
+    pytest-xdist each worker has its own session: the first to get here builds it in the run's shared temporary
+    directory, the others wait for it and read it (the tests only read it)."""
+    from filelock import FileLock
+
     from agentrl.jobs.base_model import build_base_model
     from agentrl.models.tiny import BaseModelConfig
 
-    return str(build_base_model(tmp_path_factory.mktemp("embedded") / "model", BaseModelConfig(), progress=False))
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the directory all workers' temporary directories share
+    out = root / "embedded-shared" / "model"
+    with FileLock(str(root / "embedded-shared.lock")):
+        if not (out / "config.json").exists():
+            build_base_model(out, BaseModelConfig(), progress=False)
+    return str(out)
