@@ -78,3 +78,37 @@ def test_one_ppo_step_on_the_real_model(smollm2):
     assert any("lora_" in n for n in changed) and any("v_head" in n for n in changed)
     # the reference is the adapter switched off: the same backbone, no second copy of the weights
     assert trainer.ref_model is None
+
+
+def test_the_peer_benchmarks_workload_is_the_chat_rollouts(smollm2, tmp_path):
+    """benchmarks/peers/run.py --models smollm2-135m: both libraries train on the prompts agentrl's chat rollout
+    renders (the calculator's schema in the system message, which SmolLM2's template would drop) and on DPO pairs
+    that continue them in the same template."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    peers = Path(__file__).resolve().parents[2] / "benchmarks" / "peers"
+    sys.path.insert(0, str(peers))
+    try:
+        spec = importlib.util.spec_from_file_location("peers_run", peers / "run.py")
+        run = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(run)
+        run.prepare_real(tmp_path, "smollm2-135m")
+    finally:
+        sys.path.remove(str(peers))
+    assert (tmp_path / "smollm2-135m").resolve() == Path(smollm2).resolve()
+    work = json.loads(run.workload_path(tmp_path, "smollm2-135m").read_text())
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    env = WordProblemEnv()
+    env.bind_tokenizer(tok)
+    task = word_problem_tasks(1, seed=0)[0]
+    prompt, pair = work["prompts"][0], work["pairs"][0]
+    assert prompt == env.reset(task) and '"name": "calculator"' in prompt and prompt.endswith("<|im_start|>assistant\n")
+    assert tok.decode(work["ppo_query_ids"][0]) == prompt
+    assert pair["prompt"] == prompt and pair["chosen"].startswith("<tool_call>")
+    assert f"<|im_start|>tool\n{task['answer']}<|im_end|>" in pair["chosen"]
+    assert "<tool_call>" not in pair["rejected"] and pair["rejected"].endswith("<|im_end|>")
+    assert len(work["prompts"]) == len(work["pairs"]) == 256 and work["settings"]["ppo"]["batch_size"] == 16
