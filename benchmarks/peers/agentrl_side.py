@@ -25,6 +25,14 @@ def lora_model(path: str):
     return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **common.LORA))
 
 
+def with_levers(trainer, args):
+    """The trainer with the logprob shortcuts that --full-logits / --no-shared-prefix switch off (to measure them)."""
+    from agentrl.trainers.common import LogprobPaths
+
+    trainer.logprob_paths = LogprobPaths(response_only=not args.full_logits, shared_prefix=not args.no_shared_prefix)
+    return trainer
+
+
 def run_ppo(args, work, tok) -> dict:
     import torch
 
@@ -35,7 +43,7 @@ def run_ppo(args, work, tok) -> dict:
     facts = common.model_facts(model)
     config = PPOConfig(batch_size=s["batch_size"], mini_batch_size=s["mini_batch_size"], ppo_epochs=s["ppo_epochs"],
                        learning_rate=s["learning_rate"], seed=0, mixed_precision=args.precision)
-    trainer = PPOTrainer(config=config, model=model, tokenizer=tok)
+    trainer = with_levers(PPOTrainer(config=config, model=model, tokenizer=tok), args)
     before = common.trainable_snapshot(model)
     gen = {"max_new_tokens": s["response_tokens"], "do_sample": True,
            "top_k": 0, "top_p": 1.0, "batch_size": s["batch_size"]}
@@ -85,7 +93,7 @@ def run_grpo(args, work, tok) -> dict:
                         mini_batch_size=s["mini_batch_size"], num_iterations=s["num_iterations"], beta=s["beta"],
                         learning_rate=s["learning_rate"], max_grad_norm=s["max_grad_norm"], seed=0,
                         mixed_precision=args.precision)
-    trainer = GRPOTrainer(config, model, tok)
+    trainer = with_levers(GRPOTrainer(config, model, tok), args)
     sampling = SamplingParams(max_new_tokens=s["completion_tokens"])
     before = common.trainable_snapshot(model)
     clock = common.StepClock()
@@ -113,6 +121,7 @@ def run_dpo(args, work, tok) -> dict:
                            beta=s["beta"], max_grad_norm=s["max_grad_norm"], max_steps=args.warmup + args.steps,
                            logging_steps=1, progress=False, bf16=args.precision == "bf16")
         trainer = DPOTrainer(model=model, args=config, train_dataset=work["pairs"], tokenizer=tok)
+        trainer = with_levers(trainer, args)
         before = common.trainable_snapshot(model)
         clock = common.StepClock()
 
@@ -139,6 +148,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--count-flops", action="store_true", help="ppo: count one extra step's FLOPs")
     parser.add_argument("--precision", choices=("no", "bf16"), default="no", help="bf16: autocast (mixed precision)")
+    parser.add_argument("--full-logits", action="store_true", help="a lever off: full (B, T, V) logits "
+                        "(trainers/common.LogprobPaths.response_only)")
+    parser.add_argument("--no-shared-prefix", action="store_true", help="a lever off: each row runs its own prompt "
+                        "(LogprobPaths.shared_prefix: GRPO groups, DPO pairs)")
     args = parser.parse_args()
     common.one_thread()
     import agentrl
@@ -149,6 +162,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.model)
     work = common.load_workload(args.workload)
     result = {"run_ppo": run_ppo, "run_grpo": run_grpo, "run_dpo": run_dpo}[f"run_{args.task}"](args, work, tok)
+    result.update(levers={"response_only": not args.full_logits, "shared_prefix": not args.no_shared_prefix})
     result.update(side="agentrl", library=f"agentrl {agentrl.__version__}", task=args.task, warmup=args.warmup,
                   versions={"torch": torch.__version__, "transformers": transformers.__version__},
                   threads=torch.get_num_threads())
