@@ -71,8 +71,7 @@ def main() -> None:
             r = json.loads(Path(args.counted).read_text())["sides"][side]
         else:  # one step, counted: no warm-up and no timed step (the time comes from the side-by-side run)
             r = run.worker(side, "ppo", models_dir / args.model, run.workload_path(models_dir, args.model), 0, 0,
-                           python,
-                           extra=["--count-flops"])
+                           python, extra=["--count-flops"])
         out["sides"][side] = {"library": r["library"], "flops_per_step": r["flops_per_step"]}
         print(f"{r['library']}: {r['flops_per_step'] / 1e9:.1f} GFLOP a PPO step", flush=True)
         if side not in timed:

@@ -3,7 +3,7 @@
     bash benchmarks/peers/setup.sh                       # once: the peers' venvs in .venv-peers/
     python benchmarks/peers/run.py --json runs/peers.json [--quick] [--models embedded,26m] [--tasks ppo,grpo,dpo]
     python benchmarks/peers/run.py --models 26m-v151936 --tasks dpo   # the 26 M body with Qwen's vocabulary
-    python benchmarks/peers/run.py --models smollm2-135m --repeats 1 [--precision bf16]   # the real model (agentrl[real])
+    python benchmarks/peers/run.py --models smollm2-135m --repeats 1 [--precision bf16]   # the real model
 
 Each (task, model) runs agentrl and the peer interleaved (`--repeats` pairs of processes, A first in one pair,
 B in the next), every run in its own process with one torch thread. By default the two processes of a pair run
