@@ -27,27 +27,25 @@ from agentrl.checkpoint import write_text_atomically
 from agentrl.errors import UserError
 from agentrl.samples import read_jsonl
 
-# Curve panels: (title, [(series label, [metric keys, first present wins])]). A panel is drawn when one of its
-# series has data; PPO, GRPO and DPO each name the same quantity differently.
+# Curve panels: (title, [(series label, metric key)]), in the vocabulary every agent trainer logs (README,
+# "Metrics"); a panel is drawn when one of its series has data.
 PANELS = [
-    ("Score (environment)", [("mean score", ["env/mean_score", "ppo/mean_scores", "grpo/mean_scores"])]),
-    ("Accuracy (training episodes)", [("accuracy", ["env/accuracy"])]),
-    ("Tool use", [("tool calls / episode", ["env/tool_calls_per_episode"]),
-                  ("episodes calling a tool", ["env/tool_call_rate"])]),
-    ("KL to the reference", [("KL", ["objective/kl", "grpo/kl"])]),
-    ("Entropy (per token)", [("entropy", ["ppo/policy/entropy", "grpo/entropy"])]),
-    ("Clip fraction", [("policy", ["ppo/policy/clipfrac", "grpo/clipfrac"]), ("value", ["ppo/val/clipfrac"])]),
-    ("Value explained variance", [("explained variance", ["ppo/val/var_explained"])]),
-    ("Response length (sampled tokens)", [("tokens / episode", ["env/mean_response_length",
-                                                               "tokens/responses_len_mean"])]),
-    ("Truncation and format errors", [("truncated", ["env/truncation_rate"]),
-                                      ("format errors", ["env/format_error_rate"]),
-                                      ("tool failures", ["tools/failure_rate"])]),
-    ("Logprob mismatch, sampler vs trainer", [("mean |difference| per token", ["rollout/logprob_mismatch_mean",
-                                                                                "logprob_mismatch"]),
-                                              ("max |difference|", ["rollout/logprob_mismatch_max"])]),
-    ("DPO loss", [("loss", ["loss"])]),
-    ("DPO reward accuracy and margin", [("accuracy", ["rewards/accuracies"]), ("margin", ["rewards/margins"])]),
+    ("Score (environment)", [("mean score", "env/mean_score")]),
+    ("Accuracy (training episodes)", [("accuracy", "env/accuracy")]),
+    ("Tool use", [("tool calls / episode", "env/tool_calls_per_episode"),
+                  ("episodes calling a tool", "env/tool_call_rate")]),
+    ("KL to the reference (per token)", [("KL", "policy/kl")]),
+    ("Entropy (per token)", [("entropy", "policy/entropy")]),
+    ("Clip fraction", [("policy", "policy/clipfrac"), ("value", "ppo/val/clipfrac")]),
+    ("Value explained variance", [("explained variance", "ppo/val/var_explained")]),
+    ("Response length (sampled tokens)", [("tokens / episode", "env/mean_response_length")]),
+    ("Truncation and format errors", [("truncated", "env/truncation_rate"),
+                                      ("format errors", "env/format_error_rate"),
+                                      ("tool failures", "tools/failure_rate")]),
+    ("Logprob mismatch, sampler vs trainer", [("mean |difference| per token", "rollout/logprob_mismatch_mean"),
+                                              ("max |difference|", "rollout/logprob_mismatch_max")]),
+    ("DPO loss", [("loss", "loss")]),
+    ("DPO reward accuracy and margin", [("accuracy", "rewards/accuracies"), ("margin", "rewards/margins")]),
 ]
 RATE_PANELS = {"Accuracy (training episodes)", "Truncation and format errors"}
 SUMMARY_ROWS = ("accuracy", "tool_call_rate", "mean_score", "format_error_rate", "truncation_rate", "mean_turns")
@@ -137,17 +135,14 @@ def _add_mismatch(metrics: list[dict], samples: list[dict]) -> None:
     rows = {r.get("step"): r for r in metrics}
     for step, diffs in by_step.items():
         if diffs and step in rows:
-            rows[step]["logprob_mismatch"] = sum(diffs) / len(diffs)
+            rows[step]["rollout/logprob_mismatch_mean"] = sum(diffs) / len(diffs)
 
 
 # --- curves ---------------------------------------------------------------------------------------------
 
-def _series(metrics: list[dict], keys: list[str]) -> tuple[list[float], list[float]]:
-    for key in keys:
-        pts = [(r["step"], r[key]) for r in metrics if _finite(r.get(key)) and _finite(r.get("step"))]
-        if pts:
-            return [p[0] for p in pts], [p[1] for p in pts]
-    return [], []
+def _series(metrics: list[dict], key: str) -> tuple[list[float], list[float]]:
+    pts = [(r["step"], r[key]) for r in metrics if _finite(r.get(key)) and _finite(r.get("step"))]
+    return [p[0] for p in pts], [p[1] for p in pts]
 
 
 def _finite(x) -> bool:
@@ -172,7 +167,7 @@ def curve_images(runs: list[dict]) -> list[tuple[str, str]]:
 
     images = []
     for title, series in PANELS:
-        data = [(run, label, *_series(run["metrics"], keys)) for run in runs for label, keys in series]
+        data = [(run, label, *_series(run["metrics"], key)) for run in runs for label, key in series]
         if not any(xs for _, _, xs, _ in data):
             continue
         fig, ax = plt.subplots(figsize=(4.4, 2.5), dpi=90)
@@ -241,7 +236,7 @@ def _number(x) -> float | None:
 
 def _first_last(metrics: list[dict], key: str) -> tuple[float | None, float | None]:
     """Mean of `key` over the first and over the last tenth of the steps (at least one step each)."""
-    ys = _series(metrics, [key])[1]
+    ys = _series(metrics, key)[1]
     if not ys:
         return None, None
     k = max(len(ys) // 10, 1)

@@ -408,10 +408,10 @@ class GRPOTrainer:
                     self.optimizer.zero_grad(set_to_none=True)
                 entropy = masked_mean(entropy, mb.loss_mask)
                 acc["grpo/loss"].append(loss.item())
-                acc["grpo/clipfrac"].append(st["clipfrac"].item())
-                acc["grpo/kl"].append(st["kl"].item())
+                acc["policy/clipfrac"].append(st["clipfrac"].item())
+                acc["policy/kl"].append(st["kl"].item())
                 acc["grpo/ratio"].append(st["ratio"].item())
-                acc["grpo/entropy"].append(entropy.item())
+                acc["policy/entropy"].append(entropy.item())
         return acc, nonfinite, at_rollout
 
     # --- checkpoints (agentrl.checkpoint) ---------------------------------------------------------------

@@ -159,6 +159,14 @@ class PPOConfig:
         return core.flatten_dict(dict(self.__dict__))
 
 
+def policy_metrics(stats: dict) -> dict:
+    """The update's numbers in the vocabulary every agent trainer logs (GRPO writes the same keys), from TRL 0.11's
+    step statistics, which `step()` keeps returning as they are. objective/kl is a sum over each episode's policy
+    tokens averaged over episodes; over the mean response length it is the KL per policy token."""
+    return {"policy/kl": stats["objective/kl"] / max(stats["tokens/responses_len_mean"], 1.0),
+            "policy/entropy": stats["ppo/policy/entropy"], "policy/clipfrac": stats["ppo/policy/clipfrac"]}
+
+
 def warn_if_approx_kl_explodes(approx_kl: float, config: PPOConfig, step: int) -> None:
     """A warning when one update moved the policy far outside PPO's trust region: a healthy LLM PPO step has
     an approx-KL of 0.001-0.05 (Huang et al. 2024). Nothing else in the log shows a collapse until the policy's
@@ -329,6 +337,7 @@ class PPOTrainer:
             check_batch(episodes, batch)
             mask_infra_failures(episodes, batch)  # failures outside the policy teach it nothing
             stats = self._update(batch, turn_end_mask(episodes, batch) if self.config.gae_level == "turn" else None)
+            stats.update(policy_metrics(stats))
             warn_if_approx_kl_explodes(stats["ppo/policy/approxkl"], self.config, self.current_step)
             end_of_step(self, stats, episodes, episodes, rollout_seconds, sync_seconds, history, callback, checkpointer,
                         bar, i == steps - 1, lambda st: {"score": f"{st['ppo/mean_scores']:.2f}",

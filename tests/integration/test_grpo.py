@@ -27,10 +27,10 @@ def test_grpo_beta_zero_never_computes_reference_logprobs(tiny_base, advantage, 
     before = {n: p.clone() for n, p in trainer.policy.named_parameters() if p.requires_grad}
     history = trainer.train(MultiStepCalculatorEnv, multistep_tasks(8), steps=2,
                             sampling=SamplingParams(max_new_tokens=16), progress=False)
-    for key in ("grpo/zero_variance_groups", "grpo/clipfrac", "grpo/kl", "grpo/entropy", "env/mean_response_length",
+    for key in ("grpo/zero_variance_groups", "policy/clipfrac", "policy/kl", "policy/entropy", "env/mean_response_length",
                 "env/tool_calls_per_episode", "env/truncation_rate"):
         assert key in history[-1]
-    assert history[-1]["grpo/kl"] == 0.0
+    assert history[-1]["policy/kl"] == 0.0
     if any(h["grpo/zero_variance_groups"] < 1 for h in history):
         assert any(not torch.equal(before[n], p) for n, p in trainer.policy.named_parameters() if p.requires_grad)
 

@@ -95,6 +95,11 @@ def test_agent_level_train_runs_the_environment(tiny_base, tmp_path):
     for key in ("env/accuracy", "env/tool_call_rate", "env/format_error_rate", "env/mean_turns", "objective/kl"):
         assert key in history[-1]
     assert history[-1]["objective/kl_coef"] != 0.05  # the adaptive controller moved
+    # the shared vocabulary (GRPO logs the same keys): KL per policy token, from the per-episode sum
+    last = history[-1]
+    assert last["policy/kl"] != 0.0 and last["tokens/responses_len_mean"] > 1
+    assert last["policy/kl"] == pytest.approx(last["objective/kl"] / last["tokens/responses_len_mean"])
+    assert (last["policy/entropy"], last["policy/clipfrac"]) == (last["ppo/policy/entropy"], last["ppo/policy/clipfrac"])
 
 
 def test_the_tutorial_loop_runs_as_written(tiny_base):

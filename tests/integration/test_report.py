@@ -78,7 +78,7 @@ def test_report_html_is_self_contained_with_curves_and_coloured_tokens(ppo_run):
     imgs = [a["src"] for t, a in page.tags if t == "img"]
     assert len(imgs) >= 8 and all(src.startswith("data:image/png;base64,") for src in imgs)
     titles = {a["alt"] for t, a in page.tags if t == "img"}
-    assert {"Accuracy (training episodes)", "Tool use", "KL to the reference", "Entropy (per token)",
+    assert {"Accuracy (training episodes)", "Tool use", "KL to the reference (per token)", "Entropy (per token)",
             "Clip fraction", "Value explained variance", "Logprob mismatch, sampler vs trainer"} <= titles
     # nothing fetched from anywhere: no external scripts, styles or images
     assert not [a for t, a in page.tags if t in ("script", "link", "img", "iframe") and

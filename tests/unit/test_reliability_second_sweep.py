@@ -190,7 +190,7 @@ def test_the_report_skips_rows_it_cannot_draw(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 2, "loss": 1.0}) + "\n")
     with pytest.warns(UserWarning, match="row 1 skipped"):
         run = load_run(tmp_path)
-    assert [s["step"] for s in run["samples"]] == [2] and run["metrics"][0]["logprob_mismatch"] == 0.5
+    assert [s["step"] for s in run["samples"]] == [2] and run["metrics"][0]["rollout/logprob_mismatch_mean"] == 0.5
 
 
 def test_one_huge_row_does_not_stall_the_embedded_tokenizer():

@@ -319,8 +319,8 @@ def test_a_report_whose_values_matplotlib_cannot_place_skips_that_panel(tmp_path
     run = tmp_path / "run"
     run.mkdir()
     (run / "summary.json").write_text(json.dumps({"algo": "ppo", "steps": 2}))
-    rows = [{"step": 1, "objective/kl": 1e308, "env/accuracy": 0.5}, {"step": 2, "objective/kl": -1e308,
-                                                                        "env/accuracy": 0.6}]
+    rows = [{"step": 1, "policy/kl": 1e308, "env/accuracy": 0.5}, {"step": 2, "policy/kl": -1e308,
+                                                                     "env/accuracy": 0.6}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.warns(UserWarning, match="panel is not drawn: matplotlib cannot place its values"):
         path = write_report(run)
