@@ -1,6 +1,10 @@
 """The agent task the peers were never measured on: GRPO on a calculator agent that makes real tool calls.
 
     python benchmarks/peers/agent_task.py [--steps 40] [--target 0.7] [--json runs/agent-task.json]
+    python benchmarks/peers/agent_task.py --model smollm2-135m [--steps 16] [--target 0.6]   # the real model
+
+The real-model mode (SmolLM2-135M-Instruct after `agentrl sft --config real`, agentrl GRPO and PPO against TRL
+1.16 GRPO with tools) is in agent_real.py, which says what differs; the rest of this text is the embedded model's.
 
 The embedded chat model (ChatML, Hermes `<tool_call>{json}</tool_call>` calls, `agentrl base-model corpus=chat
 steps=1000`) answers held-out "What is a op b?" questions and may call `calculator(expression)`, which really runs
@@ -211,7 +215,13 @@ def side_main(args) -> None:
     common.one_thread()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = (train_agentrl if args.side == "agentrl" else train_trl)(args, out)
+    if args.model_name:  # the real model's sides
+        import agent_real
+
+        args.config = agent_real.REAL_MODELS[args.model_name]
+        result = (agent_real.train_trl if args.side == "trl" else agent_real.train_agentrl)(args, out)
+    else:
+        result = (train_agentrl if args.side == "agentrl" else train_trl)(args, out)
     if args.side == "trl":
         import trl
         result["library"] = f"TRL {trl.__version__}"
@@ -231,9 +241,14 @@ def ensure_chat_model(path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--side", choices=["agentrl", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=["agentrl", "agentrl-ppo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--model", default=None, help="the chat model (default: MODELS_DIR/chat, built if absent)")
+    parser.add_argument("--model-name", help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=None,
+                        help="the chat model (default: MODELS_DIR/chat, built if absent), or smollm2-135m")
+    parser.add_argument("--sft-model", default="runs/real-sft/model",
+                        help="smollm2-135m only: the SFT model every side starts from (trained if absent)")
     parser.add_argument("--models-dir", default="runs/peers-models")
     parser.add_argument("--peers-dir", default=".venv-peers")
     parser.add_argument("--steps", type=int, default=40)
@@ -241,11 +256,17 @@ def main() -> None:
     parser.add_argument("--eval-tasks", type=int, default=100)
     parser.add_argument("--target", type=float, default=0.7, help="held-out sampled accuracy to reach")
     parser.add_argument("--work-dir", default="runs/agent-task")
-    parser.add_argument("--sides", default="agentrl,trl", help="which sides to train (comma-separated)")
+    parser.add_argument("--sides", default="agentrl,trl",
+                        help="which sides to train (comma-separated; smollm2-135m also has agentrl-ppo)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.side:
         return side_main(args)
+    import agent_real
+
+    if args.model in agent_real.REAL_MODELS:
+        args.model_name = args.model
+        return agent_real.main(args)
     model = Path(args.model or Path(args.models_dir) / "chat").resolve()
     ensure_chat_model(model)
     work = Path(args.work_dir).resolve()
