@@ -26,10 +26,11 @@ from agentrl.algos.dpo import dpo_loss
 from agentrl.errors import UserError
 from agentrl.preferences import PreferenceExample, load_preferences
 from agentrl.trainers.common import (FAST, MetricsLog, build_batch, checkpoint_activations, default_pad_token,
-                                     eval_mode, guarded_step, load_trainer_checkpoint, load_trainer_state,
-                                     make_accelerator, masked_logprobs, mean_over_processes, norm_gain_parameters,
-                                     optimizer_groups, progress_bar, resumed_metrics, save_trainer_checkpoint,
-                                     save_weights, trainer_state, write_lm)
+                                     eval_mode, guarded_step, make_accelerator, masked_logprobs, mean_over_processes,
+                                     norm_gain_parameters, optimizer_groups, progress_bar)
+# checkpoints and resume
+from agentrl.trainers.common import (load_trainer_checkpoint, load_trainer_state, resumed_metrics,
+                                     save_trainer_checkpoint, save_weights, trainer_state, write_lm)
 
 
 @dataclass

@@ -25,7 +25,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -215,6 +214,8 @@ def main(args) -> None:
     """Train every side (one at a time, one thread each), then score every checkpoint the same way."""
     import statistics
 
+    from agent_task import run_side, time_to_target
+
     args.config = REAL_MODELS[args.model_name]
     args.model = str(Path(args.sft_model).resolve())
     ensure_sft_model(args)
@@ -232,15 +233,9 @@ def main(args) -> None:
         cmd = [pythons[side], str(HERE / "agent_task.py"), "--side", side, "--out", str(work / side),
                "--model", args.model, "--model-name", args.model_name, "--steps", str(args.steps),
                "--eval-every", str(args.eval_every), "--eval-tasks", str(args.eval_tasks), "--data", str(data)]
-        started = time.time()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("PEER-RESULT ")]
-        if proc.returncode or not lines:
-            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-            sides[side] = {"error": tail}
-            print(f"{side} failed (exit {proc.returncode}):\n{tail}", flush=True)
+        sides[side] = run_side(side, cmd, env)
+        if "error" in sides[side]:
             continue
-        sides[side] = {**json.loads(lines[-1][len("PEER-RESULT "):]), "wall_s": time.time() - started}
         print(f"{side}: {len(sides[side]['steps'])} optimizer steps, {sides[side]['wall_s']:.0f} s, peak RSS "
               f"{sides[side]['peak_rss_mb']:.0f} MB", flush=True)
     print(f"load average after training: {os.getloadavg()}", flush=True)
@@ -257,9 +252,7 @@ def main(args) -> None:
             print(f"  {side} step {row['step']:3d}: {row['train_s']:7.1f} s ({row['train_cpu_s']:7.1f} CPU s) of "
                   f"training, held-out sampled accuracy {row['accuracy']:.3f}, tool-call rate "
                   f"{row['tool_call_rate']:.3f}", flush=True)
-        hit = [row for row in r["checkpoints"] if row["accuracy"] >= args.target]
-        r["time_to_target_s"] = hit[0]["train_s"] if hit else None
-        r["cpu_time_to_target_s"] = hit[0]["train_cpu_s"] if hit else None
+        time_to_target(r, args.target)
         r["rollout_s_per_step"] = r["checkpoints"][-1]["train_s"] / r["checkpoints"][-1]["step"] \
             if r["checkpoints"] else None
         print(f"{side}: time to {args.target}: {r['time_to_target_s']} s of training "

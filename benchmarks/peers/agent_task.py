@@ -231,6 +231,25 @@ def side_main(args) -> None:
     common.emit(result)
 
 
+def run_side(side: str, cmd: list[str], env: dict) -> dict:
+    """One side's worker process: its PEER-RESULT with its wall time, or {"error": the last lines it printed}."""
+    started = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PEER-RESULT ")]
+    if proc.returncode or not lines:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+        print(f"{side} failed (exit {proc.returncode}):\n{tail}", flush=True)
+        return {"error": tail}
+    return {**json.loads(lines[-1][len("PEER-RESULT "):]), "wall_s": time.time() - started}
+
+
+def time_to_target(result: dict, target: float) -> None:
+    """The training time (wall and CPU) at the first scored checkpoint at or above `target`, or None."""
+    hit = [row for row in result["checkpoints"] if row["accuracy"] >= target]
+    result["time_to_target_s"] = hit[0]["train_s"] if hit else None
+    result["cpu_time_to_target_s"] = hit[0]["train_cpu_s"] if hit else None
+
+
 def ensure_chat_model(path: Path) -> None:
     if not (path / "config.json").exists():
         from agentrl.jobs.base_model import build_base_model
@@ -280,16 +299,9 @@ def main() -> None:
         python = pythons[side]
         cmd = [python, str(Path(__file__).resolve()), "--side", side, "--out", str(work / side), "--model", str(model),
                "--steps", str(args.steps), "--eval-every", str(args.eval_every)]
-        started = time.time()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("PEER-RESULT ")]
-        if proc.returncode or not lines:
-            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-            sides[side] = {"error": tail}
-            print(f"{side} failed (exit {proc.returncode}):\n{tail}", flush=True)
+        sides[side] = run_side(side, cmd, env)
+        if "error" in sides[side]:
             continue
-        sides[side] = json.loads(lines[-1][len("PEER-RESULT "):])
-        sides[side]["wall_s"] = time.time() - started
         print(f"{side}: {len(sides[side]['steps'])} steps, median {statistics.median(sides[side]['steps']):.2f} s/step, "
               f"peak RSS {sides[side]['peak_rss_mb']:.0f} MB", flush=True)
     common.one_thread()
@@ -303,9 +315,7 @@ def main() -> None:
             print(f"  {side} step {row['step']:3d}: {row['train_s']:7.1f} s ({row['train_cpu_s']:7.1f} CPU s) of training, "
                   f"held-out sampled accuracy "
                   f"{row['accuracy']:.3f}", flush=True)
-        hit = [row for row in r["checkpoints"] if row["accuracy"] >= args.target]
-        r["time_to_target_s"] = hit[0]["train_s"] if hit else None
-        r["cpu_time_to_target_s"] = hit[0]["train_cpu_s"] if hit else None
+        time_to_target(r, args.target)
         r["s_per_step"] = statistics.median(r["steps"])
         r["cpu_s_per_step"] = statistics.median(r["cpu_steps"])
         print(f"{side}: time to {args.target}: {r['time_to_target_s']} s of training; median {r['s_per_step']:.2f} s/step, "
