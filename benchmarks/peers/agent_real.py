@@ -236,8 +236,8 @@ def main(args) -> None:
         sides[side] = run_side(side, cmd, env)
         if "error" in sides[side]:
             continue
-        print(f"{side}: {len(sides[side]['steps'])} optimizer steps, {sides[side]['wall_s']:.0f} s, peak RSS "
-              f"{sides[side]['peak_rss_mb']:.0f} MB", flush=True)
+        print(f"{side}: {len(sides[side]['steps'])} steps (each a rollout and its optimizer steps), "
+              f"{sides[side]['wall_s']:.0f} s, peak RSS {sides[side]['peak_rss_mb']:.0f} MB", flush=True)
     print(f"load average after training: {os.getloadavg()}", flush=True)
     precision = real_job(args.config, args.model, "grpo", args.eval_tasks).grpo.mixed_precision
     base = evaluate(args, None, precision)
@@ -253,10 +253,9 @@ def main(args) -> None:
                   f"training, held-out sampled accuracy {row['accuracy']:.3f}, tool-call rate "
                   f"{row['tool_call_rate']:.3f}", flush=True)
         time_to_target(r, args.target)
-        r["rollout_s_per_step"] = r["checkpoints"][-1]["train_s"] / r["checkpoints"][-1]["step"] \
-            if r["checkpoints"] else None
+        r["s_per_step"] = r["checkpoints"][-1]["train_s"] / r["checkpoints"][-1]["step"] if r["checkpoints"] else None
         print(f"{side}: time to {args.target}: {r['time_to_target_s']} s of training "
-              f"({statistics.median(r['steps']):.1f} s per optimizer step)", flush=True)
+              f"({statistics.median(r['steps']):.1f} s per step, median)", flush=True)
     print(f"load average after: {os.getloadavg()}", flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
