@@ -89,7 +89,7 @@ def trl_data(args, work: Path) -> Path:
     from agentrl.envs.calculator import calculator
     from agentrl.envs.chat import tools_system_text
     from agentrl.envs.tools import tool_schema
-    from agentrl.jobs.common import training_tasks, tasks_of
+    from agentrl.jobs.common import environment_factory, tasks_of, training_tasks
 
     config = real_job(args.config, args.model, "grpo", args.eval_tasks)
     eval_tasks = tasks_of(config.env, config.env.eval_tasks, config.eval_seed, "eval")
@@ -98,7 +98,7 @@ def trl_data(args, work: Path) -> Path:
     rows = [{"prompt": [{"role": "system", "content": system}, {"role": "user", "content": t["question"]}],
              "answer": t["answer"]} for t in tasks]
     tok = AutoTokenizer.from_pretrained(args.model)
-    env = config_env(config)
+    env = environment_factory(config.env)()
     env.bind_tokenizer(tok)
     for row, task in list(zip(rows, tasks))[:20]:
         ours = env.reset(task)
@@ -119,12 +119,6 @@ def trl_data(args, work: Path) -> Path:
     path = work / "trl-data.json"
     path.write_text(json.dumps({"rows": rows, "settings": settings}))
     return path
-
-
-def config_env(config):
-    from agentrl.jobs.common import environment_factory
-
-    return environment_factory(config.env)()
 
 
 def train_trl(args, out: Path) -> dict:
@@ -188,16 +182,25 @@ def train_trl(args, out: Path) -> dict:
             "tool_call_frequency": [round(r.get("tools/call_frequency", 0.0), 3) for r in logs]}
 
 
-def evaluate(args, adapter: str | None, precision: str) -> dict:
-    """Held-out sampled (T=1) metrics of the SFT model with `adapter`, through the real job's own evaluator."""
-    from agentrl.jobs.common import prepare_run
-    from agentrl.jobs.evaluate import evaluate as run_eval, load_policy
+class Evaluator:
+    """Held-out sampled (T=1) metrics of the SFT model with an adapter, through the real job's own evaluator; the
+    job's model, tasks and environments are built once for every checkpoint."""
 
-    config = real_job(args.config, args.model, "grpo", args.eval_tasks)
-    run = prepare_run(config.model, config.env, config.rollout, config.eval_seed, False, config.sft)
-    model, tok = load_policy(args.model, adapter) if adapter else (run.model, run.tokenizer)
-    return run_eval(model.eval(), tok, run.env_factory, run.eval_tasks, False, 1.0,
-                    max_new_tokens=config.rollout.max_new_tokens, seed=config.eval_seed, mixed_precision=precision)
+    def __init__(self, args):
+        from agentrl.jobs.common import prepare_run
+
+        self.args, self.config = args, real_job(args.config, args.model, "grpo", args.eval_tasks)
+        c = self.config
+        self.run = prepare_run(c.model, c.env, c.rollout, c.eval_seed, False, c.sft)
+
+    def __call__(self, adapter: str | None) -> dict:
+        from agentrl.jobs.evaluate import evaluate, load_policy
+
+        c, run = self.config, self.run
+        model, tok = load_policy(self.args.model, adapter) if adapter else (run.model, run.tokenizer)
+        return evaluate(model.eval(), tok, run.env_factory, run.eval_tasks, False, 1.0,
+                        max_new_tokens=c.rollout.max_new_tokens, seed=c.eval_seed,
+                        mixed_precision=c.grpo.mixed_precision)
 
 
 def ensure_sft_model(args) -> None:
@@ -239,15 +242,15 @@ def main(args) -> None:
         print(f"{side}: {len(sides[side]['steps'])} steps (each a rollout and its optimizer steps), "
               f"{sides[side]['wall_s']:.0f} s, peak RSS {sides[side]['peak_rss_mb']:.0f} MB", flush=True)
     print(f"load average after training: {os.getloadavg()}", flush=True)
-    precision = real_job(args.config, args.model, "grpo", args.eval_tasks).grpo.mixed_precision
-    base = evaluate(args, None, precision)
+    evaluate = Evaluator(args)
+    base = evaluate(None)
     print(f"SFT model: held-out sampled accuracy {base['accuracy']:.3f}, tool-call rate {base['tool_call_rate']:.3f}",
           flush=True)
     for side, r in sides.items():
         if "error" in r:
             continue
         for row in r["checkpoints"]:
-            m = evaluate(args, str(work / side / f"step-{row['step']}"), precision)
+            m = evaluate(str(work / side / f"step-{row['step']}"))
             row.update(accuracy=m["accuracy"], tool_call_rate=m["tool_call_rate"])
             print(f"  {side} step {row['step']:3d}: {row['train_s']:7.1f} s ({row['train_cpu_s']:7.1f} CPU s) of "
                   f"training, held-out sampled accuracy {row['accuracy']:.3f}, tool-call rate "
