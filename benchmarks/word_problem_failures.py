@@ -66,8 +66,8 @@ def main() -> None:
         counts[family][1] += 1
         if not correct:
             failures.append((family, episode.task["question"], tokenizer.decode(episode.token_ids)))
-    right = sum(c for c, _ in counts.values())
-    print(f"{'greedy' if args.greedy else 'sampled (T=1)'}: accuracy {right / len(episodes):.3f} on {len(episodes)} tasks")
+    right, decoding = sum(c for c, _ in counts.values()), "greedy" if args.greedy else "sampled (T=1)"
+    print(f"{decoding}: accuracy {right / len(episodes):.3f} on {len(episodes)} tasks")
     for family, (c, n) in sorted(counts.items()):
         print(f"  {family:18} {c:3d} / {n:3d} = {c / n:.2f}")
     for family, question, text in failures[:args.show]:
