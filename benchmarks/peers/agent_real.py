@@ -183,8 +183,9 @@ def train_trl(args, out: Path) -> dict:
 
 
 class Evaluator:
-    """Held-out sampled (T=1) metrics of the SFT model with an adapter, through the real job's own evaluator; the
-    job's model, tasks and environments are built once for every checkpoint."""
+    """Held-out sampled (T=1) metrics of the SFT model with an adapter, through the real job's own evaluator. The
+    job (its tasks, environments and the SFT model itself) is built once; each adapter is loaded on a fresh copy of
+    the SFT model, since PEFT wraps the model it is given in place."""
 
     def __init__(self, args):
         from agentrl.jobs.common import prepare_run
