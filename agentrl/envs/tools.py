@@ -402,6 +402,9 @@ class ToolRewards:
     tool_but_wrong: float = 0.2  # a successful call, wrong or no answer
     malformed_call: float = -0.5  # only failed / malformed calls
     no_tool: float = -1.0  # no call at all
+    # Added for each malformed or failed call in an episode that a later call rescued. The table above scores such
+    # an episode by its successful call alone, so RL never sees the bad call unless the episode fails to recover.
+    recovered_bad_call: float = 0.0
 
 
 class ToolEnv:
@@ -508,8 +511,11 @@ class ToolEnv:
             self.chat.messages.append(self._assistant_message(action, calls))
         correct = answer is not None and bool(self.check(self.task, answer))
         r = self.rewards
-        reward = (r.correct if correct else r.tool_but_wrong) if self.calls else \
-            (r.malformed_call if self.failures or self.format_errors else r.no_tool)
+        if self.calls:
+            bad_calls = self.failures + self.format_errors
+            reward = (r.correct if correct else r.tool_but_wrong) + r.recovered_bad_call * bad_calls
+        else:
+            reward = r.malformed_call if self.failures or self.format_errors else r.no_tool
         return StepResult(None, reward, True, self._info(correct, answer))
 
     def _assistant_message(self, action: str, calls: list[ToolCall]) -> dict:

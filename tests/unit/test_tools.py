@@ -104,6 +104,21 @@ def test_tool_env_react_format_counts_failures():
     assert final.done and final.reward == 1.0 and final.info["tool_failures"] == 1
 
 
+def test_recovered_bad_calls_cost_only_when_asked_and_only_in_episodes_a_call_rescued():
+    env = ToolEnv([add, broken], check=lambda task, answer: answer == task["answer"],
+                  rewards={"recovered_bad_call": -0.25})
+    env.reset({"question": "What is 2 + 3?", "answer": "5"})
+    env.step("Action: broken(now)\n")  # failed call
+    env.step("Action: add(2, 3, 4\n")  # malformed call
+    env.step('Action: add({"a": 2, "b": 3})\n')
+    final = env.step("Answer: 5")
+    assert final.reward == 1.0 - 2 * 0.25 and final.info["format_errors"] == 2
+    env.reset({"question": "What is 2 + 3?", "answer": "5"})
+    env.step("Action: broken(now)\n")
+    final = env.step("Answer: 5")  # nothing rescued it: the tutorial's table alone
+    assert final.reward == env.rewards.malformed_call
+
+
 @pytest.mark.parametrize("relation", ["capital", "longest river", "founder"])
 def test_search_env_finds_the_fictional_fact(relation):
     task = next(t for t in search_tasks(100, seed=0, split="eval") if f"the {relation} of" in t["question"])
