@@ -43,8 +43,7 @@ def embedded_base(tmp_path_factory):
     return str(out)
 
 
-# The longest tests, longest first (seconds a test under `make test` on a 2-core VM without native bf16: reasoning-gym
-# ~240, textarena ~150, the MCP comparison ~120, the two-process job ~65 plus the embedded build ~120, ...).
+# The files of the longest tests, longest first (`make test` prints the slowest tests' durations).
 _LONGEST_FIRST = ("test_reasoning_gym_training.py", "test_textarena_training.py", "test_distributed.py",
                   "test_mcp_training.py", "test_sft.py", "test_real_model.py", "test_quickstart.py")
 
