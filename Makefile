@@ -45,8 +45,9 @@ demo-real: $(STAMP)
 	.venv/bin/agentrl ppo --config real model.base=runs/real-sft/model out_dir=runs/real-ppo
 	.venv/bin/agentrl report runs/real-ppo
 
+# worksteal: the tests last from milliseconds to minutes; a worker that runs dry takes half of the other's queue.
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto --durations=15
+	$(PY) -m pytest -q -n auto --dist worksteal --durations=15
 
 clean:
 	rm -rf runs .pytest_cache

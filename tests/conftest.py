@@ -41,21 +41,3 @@ def embedded_base(tmp_path_factory):
         if not (out / "config.json").exists():
             build_base_model(out, BaseModelConfig(), progress=False)
     return str(out)
-
-
-# The files of the longest tests, longest first (`make test` prints the slowest tests' durations).
-_LONGEST_FIRST = ("test_reasoning_gym_training.py", "test_textarena_training.py", "test_distributed.py",
-                  "test_mcp_training.py", "test_sft.py", "test_real_model.py", "test_quickstart.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    """Slow tests first, the longest files first: pytest-xdist hands the first quarter of the tests out in turn, so
-    the long ones start at once on both workers instead of one worker finishing alone on a long test at the end.
-    Only the order changes; every test is independent of it."""
-    def rank(item):
-        if item.get_closest_marker("slow") is None:
-            return len(_LONGEST_FIRST) + 1
-        name = item.path.name
-        return _LONGEST_FIRST.index(name) if name in _LONGEST_FIRST else len(_LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: the collection order within a rank
