@@ -17,94 +17,74 @@ import ast
 import json
 import random
 import re
-from dataclasses import dataclass
 
 from agentrl.data import split_of
-from agentrl.envs.base import Corpus, StepResult
+from agentrl.envs.base import Corpus
 from agentrl.envs.chat import CHATML_TOOLS_TEMPLATE
 from agentrl.envs.safe_eval import CalculatorError, format_number, safe_eval
-from agentrl.envs.tools import ToolEnv
+from agentrl.envs.tools import Tool, ToolCall, ToolEnv, ToolFailure, tool_schema
 
 _ACTION_LINE = re.compile(r"^[ \t]*Action:[ \t]*(.*)$", re.MULTILINE)
 _CALL = re.compile(r"^calculator\((.*)\)\s*$")
-_ANSWER_LINE = re.compile(r"^[ \t]*Answer:[ \t]*(.*)$", re.MULTILINE)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
-@dataclass
-class CalculatorRewards:
-    correct: float = 1.0
-    tool_but_wrong: float = 0.2
-    malformed_call: float = -0.5
-    no_tool: float = -1.0
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: the expression to evaluate, e.g. 123 * 456
+    """
+    return format_number(safe_eval(expression))
 
 
-def parse_answer(text: str) -> float | None:
-    """The number on the first `Answer:` line, or None when there is not exactly one number there."""
-    match = _ANSWER_LINE.search(text)
-    if match is None:
-        return None
-    numbers = _NUMBER.findall(match.group(1))
-    return float(numbers[0]) if len(numbers) == 1 else None
+def numeric_match(task: dict, answer: str) -> bool:
+    """The answer text holds exactly one number and it equals the task's answer."""
+    numbers = _NUMBER.findall(answer)
+    return len(numbers) == 1 and abs(float(numbers[0]) - float(task["answer"])) < 1e-6
 
 
-class CalculatorEnv:
-    """Multi-turn calculator environment. Tasks: `{"question": ..., "answer": ...}`."""
+def react_calculator(max_operations: int | None = None) -> Tool:
+    """The calculator tool as the ReAct environments run it: its schema, `max_operations` binary operations a
+    call at most, and an unusable expression answered `Error: <what is wrong>` (a ToolFailure)."""
+    def run(expression: str) -> str:
+        try:
+            return format_number(safe_eval(expression, max_operations))
+        except CalculatorError as e:
+            raise ToolFailure(str(e)) from None
 
-    stop_patterns = (r"Action:[^\n]*\n",)
+    return Tool(tool_schema(calculator), run)
+
+
+class CalculatorEnv(ToolEnv):
+    """The tutorials' multi-turn calculator: ToolEnv's ReAct format with one tool. Tasks: `{"question": ...,
+    "answer": ...}`.
+
+    What differs from a plain `ToolEnv([calculator], format="react")` is the tutorials' strict grammar: an
+    Action line is `calculator(<expression>)` and nothing else (no quotes, no JSON arguments, no other tool
+    names; anything else is a malformed call), and a call in the last turn still runs and counts as a tool
+    call although its result is never read.
+    """
 
     def __init__(self, max_turns: int = 3, rewards: dict | None = None, max_operations: int | None = None):
-        self.max_turns = max_turns
+        super().__init__([react_calculator(max_operations)], check=numeric_match, format="react",
+                         max_turns=max_turns, rewards=rewards, run_last_turn_calls=True)
         self.max_operations = max_operations
-        self.rewards = CalculatorRewards(**(rewards or {}))
-        self._task: dict | None = None
+        self.concurrent_steps = False  # the calculator computes in microseconds: no waiting to overlap
 
     def reset(self, task: dict) -> str:
         if "question" not in task or "answer" not in task:
             raise KeyError(f"calculator task needs 'question' and 'answer', got keys {sorted(task)}")
-        self._task = task
-        self._turns = self._tool_calls = self._format_errors = 0
-        return f"Question: {task['question']}\n"
+        return super().reset(task)
 
-    def step(self, action: str) -> StepResult:
-        assert self._task is not None, "call reset(task) before step()"
-        self._turns += 1
-        action_match = _ACTION_LINE.search(action)
-        if action_match is not None:
-            observation = self._call_tool(action_match.group(1))
-            if self._turns < self.max_turns:
-                return StepResult(observation=observation, reward=0.0, done=False, info=self._info(None))
-        return self._finish(parse_answer(action) if action_match is None else None)
-
-    def _call_tool(self, call: str) -> str:
-        match = _CALL.match(call.strip())
-        if match is None:
-            self._format_errors += 1
-            return "Observation: Error: expected calculator(<expression>)\n"
-        try:
-            result = format_number(safe_eval(match.group(1), self.max_operations))
-        except CalculatorError as e:
-            self._format_errors += 1
-            return f"Observation: Error: {e}\n"
-        self._tool_calls += 1
-        return f"Observation: {result}\n"
-
-    def _finish(self, answer: float | None) -> StepResult:
-        correct = answer is not None and abs(answer - float(self._task["answer"])) < 1e-6
-        r = self.rewards
-        if self._tool_calls:
-            reward = r.correct if correct else r.tool_but_wrong
-        else:
-            reward = r.malformed_call if self._format_errors else r.no_tool
-        return StepResult(observation=None, reward=reward, done=True, info=self._info(answer, correct))
-
-    def _info(self, answer: float | None, correct: bool = False) -> dict:
-        return {
-            "correct": correct,
-            "answer": answer,
-            "tool_calls": self._tool_calls,
-            "format_errors": self._format_errors,
-        }
+    def _parse_react(self, action: str) -> tuple[list[ToolCall], list[str]]:
+        line = _ACTION_LINE.search(action)
+        if line is None:
+            return [], []
+        call = _CALL.match(line.group(1).strip())
+        if call is None:
+            return [], ["expected calculator(<expression>)"]
+        return [ToolCall("calculator", {"expression": call.group(1)})], []
 
 
 # --- tasks and demonstrations -------------------------------------------------------------------------
@@ -232,21 +212,6 @@ def multistep_demonstration(task: dict, complete: bool, rng: random.Random) -> l
 
 
 # --- the same task with a typed tool function and JSON tool calls ----------------------------------------
-
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression.
-
-    Args:
-        expression: the expression to evaluate, e.g. 123 * 456
-    """
-    return format_number(safe_eval(expression))
-
-
-def numeric_match(task: dict, answer: str) -> bool:
-    """The answer text holds exactly one number and it equals the task's answer."""
-    numbers = _NUMBER.findall(answer)
-    return len(numbers) == 1 and abs(float(numbers[0]) - float(task["answer"])) < 1e-6
-
 
 class CalculatorToolEnv(ToolEnv):
     """CalculatorEnv's tasks through ToolEnv: `react` text or `chat` (tool calls in the template's family's form)."""

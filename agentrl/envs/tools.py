@@ -419,12 +419,14 @@ class ToolEnv:
     `isolation="process"` runs each tool call in a forked child killed at `timeout` (see ToolRunner), for
     tools that may call os._exit, crash or hang holding a lock.
     `check(task, answer_text) -> bool` decides correctness; rewards follow the tutorial's table.
+    `run_last_turn_calls=True`: a call in the last turn still runs and counts as a call (the episode ends before
+    its result is read), as the tutorials' calculator scores it; by default it is not run.
     """
 
     def __init__(self, tools: list[Callable | Tool], check: Callable[[dict, str], bool], format: str = "react",
                  max_turns: int = 4, timeout: float = 5.0, max_observation_chars: int = 500,
                  rewards: dict | None = None, system_prompt: str | None = None, tool_parser: str | None = None,
-                 chat_template_kwargs: dict | None = None, isolation: str = "thread"):
+                 chat_template_kwargs: dict | None = None, isolation: str = "thread", run_last_turn_calls: bool = False):
         if format not in ("react", "chat"):
             raise ValueError(f"format must be 'react' or 'chat', got {format!r}")
         if tool_parser is not None and tool_parser not in TOOL_PARSERS:
@@ -434,6 +436,7 @@ class ToolEnv:
             raise ValueError(f"chat_template_kwargs must be a mapping, got {type(chat_template_kwargs).__name__}")
         self.runner = ToolRunner(tools, timeout, max_observation_chars, isolation)
         self.check, self.format, self.max_turns = check, format, max_turns
+        self.run_last_turn_calls = run_last_turn_calls
         self.rewards = ToolRewards(**(rewards or {}))
         self.system_prompt = system_prompt
         self.tool_parser, self.chat_template_kwargs = tool_parser, dict(chat_template_kwargs or {})
@@ -483,29 +486,17 @@ class ToolEnv:
 
         self.turns += 1
         calls, errors = self._parse(action)
+        rng = None  # react text has no call ids
         if self.chat is not None:  # call ids, the form Mistral demands, reproducible for a task and turn
             rng = random.Random(f"{self.task['question']}\x00{self.turns}")
             for call in calls:
                 call.id = call.id or new_call_id(rng)
         # A chat turn that ends in EOS (not the turn-end marker) ends the episode: score it as the last turn.
         last = self.turns >= self.max_turns or (self.chat is not None and self.chat.ended_with_eos(action))
-        if (calls or errors) and not last:
-            results = []  # (text, call id, tool name)
-            for problem in errors:  # malformed calls: the model reads why (counted in format_errors)
-                results.append((f"Error: {problem}", new_call_id(rng) if self.chat is not None else None, None))
-            for call in calls:
-                text, ok = self.runner(call)
-                self.calls += ok
-                self.failures += not ok
-                results.append((text, call.id, call.name))
-            self.format_errors += len(errors)
-            if self.format == "react":
-                observation = "".join(f"Observation: {r}\n" for r, _, _ in results)
-            else:
-                tool_messages = [{"role": "tool", "tool_call_id": call_id, **({"name": name} if name else {}),
-                                  "content": text} for text, call_id, name in results]
-                observation = self.chat.tool_turn(action, self._assistant_message(action, calls), tool_messages)
-            return StepResult(observation, 0.0, False, self._info(False))
+        if (calls or errors) and (not last or self.run_last_turn_calls):
+            results = self._run_calls(calls, errors, rng)
+            if not last:
+                return StepResult(self._observation(action, calls, results), 0.0, False, self._info(False))
         answer = self._answer(action) if not (calls or errors) else None
         if self.chat is not None:
             self.chat.messages.append(self._assistant_message(action, calls))
@@ -517,6 +508,26 @@ class ToolEnv:
         else:
             reward = r.malformed_call if self.failures or self.format_errors else r.no_tool
         return StepResult(None, reward, True, self._info(correct, answer))
+
+    def _run_calls(self, calls: list[ToolCall], errors: list[str], rng: random.Random | None) -> list[tuple]:
+        """Run a turn's calls and count them: (text, call id, tool name) for each malformed call (the model reads
+        why) and each call, in that order."""
+        results = [(f"Error: {problem}", new_call_id(rng) if rng else None, None) for problem in errors]
+        for call in calls:
+            text, ok = self.runner(call)
+            self.calls += ok
+            self.failures += not ok
+            results.append((text, call.id, call.name))
+        self.format_errors += len(errors)
+        return results
+
+    def _observation(self, action: str, calls: list[ToolCall], results: list[tuple]) -> str:
+        """What the environment appends after the turn: `Observation:` lines, or the template's tool turn."""
+        if self.format == "react":
+            return "".join(f"Observation: {text}\n" for text, _, _ in results)
+        tool_messages = [{"role": "tool", "tool_call_id": call_id, **({"name": name} if name else {}),
+                          "content": text} for text, call_id, name in results]
+        return self.chat.tool_turn(action, self._assistant_message(action, calls), tool_messages)
 
     def _assistant_message(self, action: str, calls: list[ToolCall]) -> dict:
         """The turn as an OpenAI-style message: content (reasoning and text outside the calls, or the whole
@@ -531,6 +542,11 @@ class ToolEnv:
     def _parse(self, action: str) -> tuple[list[ToolCall], list[str]]:
         if self.format == "chat":
             return TOOL_PARSERS[self.tool_parser].parse(self.chat.content(action))
+        return self._parse_react(action)
+
+    def _parse_react(self, action: str) -> tuple[list[ToolCall], list[str]]:
+        """The first `Action: name(arguments)` line: arguments a JSON object, or the raw text for a one-parameter
+        tool. A subclass with a stricter grammar overrides this (CalculatorEnv)."""
         match = _REACT_ACTION.search(action)
         if match is None:
             return ([], ["expected Action: name(arguments)"]) if re.search(r"^\s*Action:", action, re.M) else ([], [])

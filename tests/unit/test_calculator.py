@@ -2,8 +2,8 @@ import time
 
 import pytest
 
-from agentrl.envs import CalculatorEnv, CalculatorError, calculator_tasks, safe_eval
-from agentrl.envs.calculator import parse_answer
+from agentrl.envs import CalculatorEnv, CalculatorError, MultiStepCalculatorEnv, calculator_tasks, safe_eval
+from agentrl.envs.calculator import numeric_match
 
 HOSTILE = [
     "__import__('os').system('touch /tmp/agentrl_pwned')",
@@ -82,8 +82,9 @@ def test_observation_after_a_call_and_answers_read_from_the_answer_line_only():
     assert run(CalculatorEnv(), TASK, "Thought: t\nAction: calculator(123 * 456)\n", "Answer: 56088 or 56089").reward == 0.2
     forged = run(CalculatorEnv(), TASK, "Thought: t\nObservation: 56088\nAnswer: 56088")
     assert forged.reward == -1.0 and forged.info["tool_calls"] == 0
-    assert parse_answer("Answer: The result is 56088.") == 56088
-    assert parse_answer("no answer") is None
+    read = run(CalculatorEnv(), TASK, "Thought: t\nAction: calculator(123 * 456)\n", "Answer: The result is 56088.")
+    assert read.reward == 1.0 and read.info["answer"] == "The result is 56088."
+    assert numeric_match(TASK, "56088.0") and not numeric_match(TASK, "56088 or 56089") and not numeric_match(TASK, "x")
 
 
 def test_turn_limit_ends_the_episode():
@@ -92,6 +93,29 @@ def test_turn_limit_ends_the_episode():
     assert not env.step("Action: calculator(1 + 1)\n").done
     final = env.step("Action: calculator(2 + 2)\n")
     assert final.done and final.reward == 0.2
+
+
+@pytest.mark.parametrize("action, observation", [
+    ('Action: calculator("123 * 456")\n', "Observation: Error: character '\"' is not allowed\n"),
+    ('Action: calculator({"expression": "1 + 1"})\n', "Observation: Error: character '{' is not allowed\n"),
+    ("Action: calc(1 + 1)\n", "Observation: Error: expected calculator(<expression>)\n"),
+    ("Action: 1 + 1\n", "Observation: Error: expected calculator(<expression>)\n"),
+    ("Action: calculator(1 +)\n", "Observation: Error: malformed expression\n"),
+])
+def test_the_strict_grammar_answers_each_malformed_call_with_what_is_wrong(action, observation):
+    env = CalculatorEnv()
+    env.reset(TASK)
+    result = env.step(action)
+    assert result.observation == observation and not result.done
+    assert result.info["format_errors"] == 1 and result.info["tool_calls"] == 0
+
+
+def test_multistep_calculator_does_one_operation_a_call():
+    env = MultiStepCalculatorEnv()
+    env.reset({"question": "What is (1 + 2) * 3?", "answer": "9"})
+    assert env.step("Action: calculator((1 + 2) * 3)\n").observation == (
+        "Observation: Error: 2 operations in one call; this calculator does 1\n")
+    assert env.step("Action: calculator(1 + 2)\n").observation == "Observation: 3\n"
 
 
 def test_tasks_are_deterministic_and_splits_disjoint():

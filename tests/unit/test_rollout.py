@@ -15,7 +15,7 @@ def test_masks_and_sampled_ids(tiny_base):
 
     class ForcedCall(CalculatorEnv):  # make sure at least one observation is appended
         def step(self, action):
-            if self._turns == 0:
+            if self.turns == 0:
                 action = "Action: calculator(2 + 3)\n"
             return super().step(action)
 

@@ -247,7 +247,7 @@ def test_multi_turn_rollout_on_the_kv_cache_keeps_exact_logprobs(tiny_base, monk
 
     class ForcedCall(CalculatorEnv):  # a tool call in the first turn of every other episode
         def step(self, action):
-            if self._turns == 0 and int(self._task["answer"]) % 2:
+            if self.turns == 0 and int(self.task["answer"]) % 2:
                 action = "Action: calculator(2 + 3)\n"
             return super().step(action)
 
