@@ -119,6 +119,27 @@ def test_recovered_bad_calls_cost_only_when_asked_and_only_in_episodes_a_call_re
     assert final.reward == env.rewards.malformed_call
 
 
+
+@pytest.mark.parametrize("run_last, reward, calls", [(False, -1.0, 0), (True, 0.2, 1)])
+def test_a_call_in_the_last_turn_runs_and_counts_only_when_asked(run_last, reward, calls):
+    ran = []
+
+    def note(x: str) -> str:
+        """Remember x.
+
+        Args:
+            x: anything
+        """
+        ran.append(x)
+        return "noted"
+
+    env = ToolEnv([note], check=lambda task, answer: answer == task["answer"], max_turns=1,
+                  run_last_turn_calls=run_last)
+    env.reset({"question": "q", "answer": "a"})
+    final = env.step("Action: note(hello)\n")
+    assert final.done and final.observation is None
+    assert final.reward == reward and final.info["tool_calls"] == calls and ran == ["hello"] * calls
+
 @pytest.mark.parametrize("relation", ["capital", "longest river", "founder"])
 def test_search_env_finds_the_fictional_fact(relation):
     task = next(t for t in search_tasks(100, seed=0, split="eval") if f"the {relation} of" in t["question"])
