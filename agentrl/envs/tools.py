@@ -426,7 +426,8 @@ class ToolEnv:
     def __init__(self, tools: list[Callable | Tool], check: Callable[[dict, str], bool], format: str = "react",
                  max_turns: int = 4, timeout: float = 5.0, max_observation_chars: int = 500,
                  rewards: dict | None = None, system_prompt: str | None = None, tool_parser: str | None = None,
-                 chat_template_kwargs: dict | None = None, isolation: str = "thread", run_last_turn_calls: bool = False):
+                 chat_template_kwargs: dict | None = None, isolation: str = "thread",
+                 run_last_turn_calls: bool = False):
         if format not in ("react", "chat"):
             raise ValueError(f"format must be 'react' or 'chat', got {format!r}")
         if tool_parser is not None and tool_parser not in TOOL_PARSERS:

@@ -119,7 +119,6 @@ def test_recovered_bad_calls_cost_only_when_asked_and_only_in_episodes_a_call_re
     assert final.reward == env.rewards.malformed_call
 
 
-
 @pytest.mark.parametrize("run_last, reward, calls", [(False, -1.0, 0), (True, 0.2, 1)])
 def test_a_call_in_the_last_turn_runs_and_counts_only_when_asked(run_last, reward, calls):
     ran = []
