@@ -14,6 +14,7 @@ answer is wrong, -0.5 only malformed tool calls, -1.0 no tool call at all. The a
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import random
 import re
@@ -44,6 +45,7 @@ def numeric_match(task: dict, answer: str) -> bool:
     return len(numbers) == 1 and abs(float(numbers[0]) - float(task["answer"])) < 1e-6
 
 
+@functools.lru_cache(maxsize=None)  # environments are made per episode; deriving the schema takes milliseconds
 def react_calculator(max_operations: int | None = None) -> Tool:
     """The calculator tool as the ReAct environments run it: its schema, `max_operations` binary operations a
     call at most, and an unusable expression answered `Error: <what is wrong>` (a ToolFailure)."""
