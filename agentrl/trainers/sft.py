@@ -48,6 +48,7 @@ class SFTConfig:
     max_grad_norm: float | None = 1.0  # gradient-norm clip (None: off)
     max_length: int = 1024  # tokens; longer demonstrations are cut (and counted in truncated_rows)
     shuffle: bool = True  # reshuffle the demonstrations each pass; False: in order
+    group_by_length: bool = False  # batches of rows of similar length (less padding), drawn in a shuffled order
     skip_bad_rows: bool = False  # skip and count malformed rows instead of stopping at the first
     logging_steps: int = 20  # a metrics row every this many steps
     seed: int = 0  # shuffling (and, in jobs, the demonstrations' draw)
@@ -257,12 +258,20 @@ def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 class DemonstrationBatches:
-    """Endless batches of encoded demonstrations in reshuffled passes (in order when not `shuffle`)."""
+    """Endless batches of encoded demonstrations in reshuffled passes (in order when not `shuffle`).
 
-    def __init__(self, examples: list[Example], batch_size: int, pad_id: int, seed: int = 0, shuffle: bool = True):
+    group_by_length: each pass is cut into windows of GROUP_WINDOW batches; a window's rows are sorted by length
+    and cut into batches, which are then drawn in random order. Padding falls to the spread of lengths within a
+    batch (transformers' group_by_length does the same with its LengthGroupedSampler)."""
+
+    GROUP_WINDOW = 8
+
+    def __init__(self, examples: list[Example], batch_size: int, pad_id: int, seed: int = 0, shuffle: bool = True,
+                 group_by_length: bool = False):
         if not examples:
             raise ValueError("no demonstrations to draw batches from")
         self.examples, self.batch_size, self.pad_id, self.shuffle = examples, batch_size, pad_id, shuffle
+        self.group_by_length = group_by_length
         self.rng, self.order = random.Random(seed), []
 
     def next(self) -> dict[str, torch.Tensor]:
@@ -272,9 +281,21 @@ class DemonstrationBatches:
                 self.order = list(range(len(self.examples)))
                 if self.shuffle:
                     self.rng.shuffle(self.order)
+                if self.group_by_length:  # the batch in progress takes the pass's first rows as they come
+                    self.order = self._grouped(self.order, self.batch_size - len(chunk))
                 self.order.reverse()  # pop() from the end walks the pass front to back
             chunk.append(self.examples[self.order.pop()])
         return collate(chunk, self.pad_id)
+
+    def _grouped(self, order: list[int], head: int) -> list[int]:
+        size, out = self.batch_size, order[:head]
+        for start in range(head, len(order), self.GROUP_WINDOW * size):
+            window = sorted(order[start:start + self.GROUP_WINDOW * size], key=lambda i: len(self.examples[i][0]))
+            batches = [window[k:k + size] for k in range(0, len(window), size)]
+            tail = batches.pop() if len(batches[-1]) < size else []  # a short last batch stays last: the
+            self.rng.shuffle(batches)  # next pass's rows complete it
+            out += [i for batch in batches for i in batch] + tail
+        return out
 
 
 class SFTTrainer:
@@ -316,7 +337,7 @@ class SFTTrainer:
         if self._optimizer is None:
             self._optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
             self._batches = DemonstrationBatches(self.examples, cfg.batch_size, self.tokenizer.pad_token_id, cfg.seed,
-                                                 cfg.shuffle)
+                                                 cfg.shuffle, cfg.group_by_length)
             self._log = MetricsLog(metrics_path)
         optimizer, batches, log, done = self._optimizer, self._batches, self._log, self.steps_done
         schedule = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, steps)

@@ -120,3 +120,32 @@ def test_rows_that_do_not_split_as_the_rollouts_do_are_warned_about():
     merged = [good[0], ("".join(text for text, _ in good[1:]), True), ("", False)]
     with pytest.warns(UserWarning, match="runs past the stop pattern"):
         check_demonstrations(env, [task], [merged])
+
+
+def _batches_of(examples, steps, **kw):
+    from agentrl.trainers.sft import DemonstrationBatches
+
+    batches = DemonstrationBatches(examples, 4, 0, seed=3, **kw)
+    return [batches.next() for _ in range(steps)]
+
+
+def test_length_grouped_batches_pad_less_and_still_draw_every_row_once_a_pass():
+    import random
+
+    rng = random.Random(0)
+    # 30 rows (not a multiple of the batch of 4, so batches straddle passes), lengths 3-60, each id its row's index
+    examples = [([k] * n, [k] * n) for k, n in enumerate(rng.randint(3, 60) for _ in range(30))]
+    plain, grouped = _batches_of(examples, 30), _batches_of(examples, 30, group_by_length=True)
+    assert sum(b["input_ids"].numel() for b in grouped) < 0.75 * sum(b["input_ids"].numel() for b in plain)
+
+    drawn = [int(b["input_ids"][r, 0]) for b in grouped for r in range(len(b["input_ids"]))]
+    assert sorted(drawn[:30]) == sorted(drawn[30:60]) == list(range(30))  # each pass: every row exactly once
+    for b in grouped:  # rows and labels stay together; padding is padding
+        for ids, labels, mask in zip(b["input_ids"], b["labels"], b["attention_mask"]):
+            n = int(mask.sum())
+            assert len(examples[int(ids[0])][0]) == n and (labels[:n] == ids[:n]).all() and (labels[n:] == -100).all()
+    # within a window of 8 batches the rows are sorted by length, the batches drawn in random order
+    widths = [b["input_ids"].shape[1] for b in grouped[:7]]
+    assert widths != sorted(widths) and widths != sorted(widths, reverse=True)
+    again = _batches_of(examples, 30, group_by_length=True)
+    assert all((a["input_ids"] == b["input_ids"]).all() for a, b in zip(grouped, again))  # seeded
