@@ -185,7 +185,8 @@ def _iterative_dpo(job: _Job, dpo_cfg: DPOConfig, run, model, procs):
     if progress["cycler"] is not None:
         cycler.load_state_dict(progress["cycler"])
     sampling = SamplingParams(max_new_tokens=config.rollout.max_new_tokens, temperature=config.iterative.temperature,
-                              top_k=config.rollout.top_k, top_p=config.rollout.top_p)
+                              top_k=config.rollout.top_k, top_p=config.rollout.top_p,
+                              share_prefix=config.rollout.share_prefix)
     job.live["judge"] = judge_hook(config.iterative.judge, run.tokenizer, job.out)  # cached in out/judge-cache.jsonl
     trainer = None
     for r in range(progress["round"], config.iterative.rounds):

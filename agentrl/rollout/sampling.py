@@ -35,6 +35,10 @@ class SamplingParams:
     # re-prefilling prompt and history; False re-prefills (the same numbers up to float rounding; a benchmark's
     # switch, benchmarks/levers.py --no-kv-reuse).
     reuse_kv: bool = True
+    # The tokens every first-turn context begins with (a system message, tool schemas) are prefilled once and their
+    # KV cache copied to each row, as vLLM's prefix caching does. The same numbers up to float rounding, which is
+    # enough to change what a seeded run samples, so it is off unless asked for (rollout.share_prefix).
+    share_prefix: bool = False
 
 
 @dataclass
@@ -126,31 +130,61 @@ def _forward_kwargs(model, hidden_states: bool) -> dict:
     return extra
 
 
-def _prefill(model, contexts: list[list[int]], pad_token_id: int, kv: KVState | None, extra: dict):
+# The shortest common prefix worth a forward of its own (share_prefix): below it the extra call costs more.
+MIN_SHARED_PREFIX = 16
+
+
+def shared_prefix_length(contexts: list[list[int]]) -> int:
+    """The tokens every context begins with, leaving each at least one token of its own (whose logits start it)."""
+    first, n = contexts[0], min(len(c) for c in contexts) - 1
+    for c in contexts[1:]:
+        n = next((k for k in range(n) if c[k] != first[k]), n)
+    return n
+
+
+def _prefill(model, contexts: list[list[int]], pad_token_id: int, kv: KVState | None, extra: dict,
+             share_prefix: bool = False):
     """The first forward of sample_batch: the contexts left-padded (or, with a cache in `kv`, only each row's new
     tokens on top of it). Identical contexts (GRPO's num_generations copies of a prompt) are prefilled once; their
-    KV cache is then copied to every row that shares it. Returns (cache, attention_mask, positions, last_logits,
-    last_hidden or None), each per row."""
-    device = next(model.parameters()).device
-    value_head = "output_hidden_states" in extra
-    resume = kv is not None and kv.cache is not None
+    KV cache is then copied to every row that shares it. share_prefix: the tokens all distinct contexts begin
+    with (a system message and tool schemas) are prefilled once too, as a cache the rest of each row runs on.
+    Returns (cache, attention_mask, positions, last_logits, last_hidden or None), each per row."""
+    if kv is not None and kv.cache is not None:
+        return _forward_on(model, contexts, pad_token_id, kv.cache, kv.attention_mask, extra)
     distinct: dict[tuple, int] = {}
-    row_of = [distinct.setdefault(tuple(c), len(distinct)) for c in contexts] if not resume else []
-    input_ids, attention_mask = _left_pad(contexts if resume else [list(c) for c in distinct], pad_token_id, device)
-    positions = position_ids(attention_mask)
-    cache = kv.cache if resume else DynamicCache()
-    if resume:  # the new tokens continue each row's positions; the mask covers the cache, then them
-        positions = positions + kv.attention_mask.sum(-1, keepdim=True)
-        attention_mask = torch.cat([kv.attention_mask, attention_mask], dim=1)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                use_cache=True, **{cache_kwarg(model): cache}, **extra)
-    last_logits, last_hidden = out.logits[:, -1], out.hidden_states[-1][:, -1] if value_head else None
-    if not resume and len(distinct) < len(contexts):
-        rows = torch.tensor(row_of, device=device)
+    row_of = [distinct.setdefault(tuple(c), len(distinct)) for c in contexts]
+    unique, cache, cache_mask = [list(c) for c in distinct], DynamicCache(), None
+    shared = shared_prefix_length(unique) if share_prefix and len(unique) > 1 else 0
+    if shared >= MIN_SHARED_PREFIX:
+        device = next(model.parameters()).device
+        model(input_ids=torch.tensor([unique[0][:shared]], device=device), use_cache=True,
+              **{cache_kwarg(model): cache}, **{k: v for k, v in extra.items() if k != "output_hidden_states"})
+        cache.batch_repeat_interleave(len(unique))
+        cache_mask = torch.ones((len(unique), shared), dtype=torch.long, device=device)
+        unique = [c[shared:] for c in unique]
+    cache, attention_mask, positions, last_logits, last_hidden = _forward_on(model, unique, pad_token_id, cache,
+                                                                             cache_mask, extra)
+    if len(unique) < len(contexts):
+        rows = torch.tensor(row_of, device=attention_mask.device)
         cache.batch_select_indices(rows)
         attention_mask, positions, last_logits = attention_mask[rows], positions[rows], last_logits[rows]
         last_hidden = last_hidden[rows] if last_hidden is not None else None
     return cache, attention_mask, positions, last_logits, last_hidden
+
+
+def _forward_on(model, contexts: list[list[int]], pad_token_id: int, cache, cache_mask: torch.Tensor | None,
+                extra: dict):
+    """The contexts left-padded, run on `cache` (empty, or holding each row's earlier tokens under cache_mask):
+    the new tokens continue each row's positions, and the mask covers the cache, then them."""
+    input_ids, attention_mask = _left_pad(contexts, pad_token_id, next(model.parameters()).device)
+    positions = position_ids(attention_mask)
+    if cache_mask is not None:
+        positions = positions + cache_mask.sum(-1, keepdim=True)
+        attention_mask = torch.cat([cache_mask, attention_mask], dim=1)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                use_cache=True, **{cache_kwarg(model): cache}, **extra)
+    last_hidden = out.hidden_states[-1][:, -1] if "output_hidden_states" in extra else None
+    return cache, attention_mask, positions, out.logits[:, -1], last_hidden
 
 
 def _finish(ids: list[int], eos_token_id: int, compiled: list, tokenizer, room: int | None) -> str | None:
@@ -200,7 +234,8 @@ def sample_batch(
     warpers = [TopKLogitsWarper(int(params.top_k))] if params.top_k and params.top_k > 0 else []
     warpers += [TopPLogitsWarper(params.top_p)] if params.top_p < 1.0 else []
     extra = _forward_kwargs(model, value_head is not None)
-    cache, attention_mask, positions, last_logits, last_hidden = _prefill(model, contexts, pad_token_id, kv, extra)
+    cache, attention_mask, positions, last_logits, last_hidden = _prefill(model, contexts, pad_token_id, kv, extra,
+                                                                          params.share_prefix)
     B = len(contexts)
     samples = [Sample([], [], "length", [] if value_head is not None else None) for _ in range(B)]
     active = torch.ones(B, dtype=torch.bool, device=device)

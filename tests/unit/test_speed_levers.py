@@ -235,10 +235,44 @@ def test_sampler_shares_identical_prompts_and_reads_values():
         assert torch.allclose(values[i, span], torch.tensor(s.values), atol=1e-5)
 
 
-@pytest.mark.parametrize("reuse_kv", [True, False])
-def test_multi_turn_rollout_on_the_kv_cache_keeps_exact_logprobs(tiny_base, monkeypatch, reuse_kv):
-    """Later turns run on the cache of the earlier ones (holes where rows waited, observations appended): the
-    sampler's logprobs are still those of one forward over the whole episode."""
+def test_sampler_prefills_a_common_prompt_prefix_once():
+    """share_prefix: the 20 tokens every prompt begins with run once, as a cache the rest of each row continues
+    (rows of other lengths padded between the two, copies of a prompt still prefilled once); the sampled ids,
+    logprobs and values are those of a full forward, and greedy decoding picks what the plain prefill picks."""
+    from agentrl.models.value_head import AutoModelForCausalLMWithValueHead
+    from agentrl.rollout import SamplingParams, sample_batch
+
+    model = AutoModelForCausalLMWithValueHead(tiny_lora(), v_head_init_std=0.1).eval()
+    prefix = [1] + [(7 * k) % 90 + 5 for k in range(19)]
+    contexts = [prefix + [11, 12, 13], prefix + [40], prefix + [11, 12, 13], prefix + [50, 51, 52, 53, 54, 55]]
+    fed = []
+    hook = model.pretrained_model.get_input_embeddings().register_forward_pre_hook(lambda m, a: fed.append(a[0].shape))
+    runs = {}
+    for share, sample in ((True, True), (True, False), (False, False)):
+        fed.clear()
+        runs[share, sample] = sample_batch(
+            model.pretrained_model, contexts, SamplingParams(max_new_tokens=5, temperature=0.8, do_sample=sample,
+                                                             share_prefix=share),
+            2, 0, generator=torch.Generator().manual_seed(0), value_head=model.v_head)
+        if share and sample:
+            assert fed[:2] == [(1, 20), (3, 6)]  # the prefix once, then the 3 distinct rests, left-padded to 6
+    hook.remove()
+    assert [s.ids for s in runs[True, False]] == [s.ids for s in runs[False, False]]
+    samples = runs[True, True]
+    batch = build_batch([(c + s.ids, [0] * len(c) + [1] * len(s.ids), []) for c, s in zip(contexts, samples)], 0)
+    logprobs, values, _, _ = policy_forward(model, batch, 0.8)
+    for i, (c, s) in enumerate(zip(contexts, samples)):
+        span = slice(len(c) - 1, len(c) - 1 + len(s.ids))
+        assert torch.allclose(logprobs[i, span], torch.tensor(s.logprobs), atol=1e-5)
+        assert torch.allclose(values[i, span], torch.tensor(s.values), atol=1e-5)
+
+
+@pytest.mark.parametrize("reuse_kv,share_prefix", [(True, False), (False, False), (True, True)])
+def test_multi_turn_rollout_on_the_kv_cache_keeps_exact_logprobs(tiny_base, monkeypatch, reuse_kv, share_prefix):
+    """Later turns run on the cache of the earlier ones (holes where rows waited, observations appended; with
+    share_prefix the first turn's cache is the prompts' common prefix, then each rest): the sampler's logprobs
+    are still those of one forward over the whole episode."""
+    import agentrl.rollout.sampling as sampling
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agentrl.envs import CalculatorEnv, calculator_tasks
@@ -253,8 +287,12 @@ def test_multi_turn_rollout_on_the_kv_cache_keeps_exact_logprobs(tiny_base, monk
 
     model = AutoModelForCausalLM.from_pretrained(tiny_base).eval()
     tok = AutoTokenizer.from_pretrained(tiny_base)
-    episodes = rollout(model, tok, ForcedCall, calculator_tasks(8, seed=1, split="eval"),
-                       SamplingParams(max_new_tokens=10, reuse_kv=reuse_kv), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(sampling, "MIN_SHARED_PREFIX", 2)  # the calculator prompts share "Question: What is"
+    tasks = calculator_tasks(8, seed=1, split="eval")
+    assert sampling.shared_prefix_length([tok(ForcedCall().reset(t))["input_ids"] for t in tasks]) >= 2
+    episodes = rollout(model, tok, ForcedCall, tasks, SamplingParams(max_new_tokens=10, reuse_kv=reuse_kv,
+                                                                     share_prefix=share_prefix),
+                       generator=torch.Generator().manual_seed(0))
     assert any(ep.num_turns > 1 for ep in episodes)
     batch = episodes_to_batch(episodes, tok.pad_token_id)
     recomputed = lm_logprobs(model, batch, 1.0)
