@@ -4,7 +4,7 @@
 
 Evaluates the model on the config's held-out tasks (its env, seed, lengths and precision, one episode a task) the
 way the jobs do (`jobs/evaluate.evaluate`: all tasks in one batch, the eval seed), greedy and sampled at T = 1, with the prompts' common prefix prefilled
-once and without, alternating `--rounds` times. Prints the seconds, the shared prefix's length, the accuracies,
+once and without, alternating `--rounds` times. Prints the wall and CPU seconds, the shared prefix's length, the accuracies,
 and how many greedy episodes wrote the same tokens both ways (the two differ only by float rounding).
 """
 
@@ -49,15 +49,16 @@ def main() -> None:
             for greedy in (True, False):
                 params = SamplingParams(max_new_tokens=job.rollout.max_new_tokens, temperature=1.0,
                                         do_sample=not greedy, share_prefix=share)
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.process_time()
                 with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     episodes = rollout(model.eval(), tokenizer, factory, tasks, params,
                                        generator=torch.Generator().manual_seed(job.eval_seed))
-                seconds = time.perf_counter() - started
+                seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
                 metrics = episode_metrics(episodes)
                 if greedy:
                     greedy_episodes[share] = episodes
-                print(f"round {r + 1} share_prefix={share} {'greedy' if greedy else 'sampled'}: {seconds:.1f} s, "
+                print(f"round {r + 1} share_prefix={share} {'greedy' if greedy else 'sampled'}: {seconds:.1f} s "
+                      f"({cpu:.1f} CPU s), "
                       f"accuracy {metrics['env/accuracy']:.3f}, tool-call rate {metrics['env/tool_call_rate']:.3f}",
                       flush=True)
     same = sum(a.token_ids == b.token_ids for a, b in zip(greedy_episodes[False], greedy_episodes[True]))
