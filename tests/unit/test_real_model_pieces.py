@@ -137,6 +137,7 @@ def test_stored_evaluation_is_reused_only_for_the_same_key_and_weights(tmp_path)
     assert stored_eval(str(tmp_path), eval_key(EnvSection(), 0, RolloutSection(), 1.0, "no")) is None  # precision
     assert stored_eval(str(tmp_path), eval_key(EnvSection(eval_tasks=100), 0, RolloutSection(), 1.0, "bf16")) is None
     assert stored_eval(str(tmp_path), eval_key(EnvSection(), 0, RolloutSection(max_context=128), 1.0, "bf16")) is None
+    assert stored_eval(str(tmp_path), eval_key(EnvSection(), 0, RolloutSection(share_prefix=True), 1.0, "bf16")) is None
     (tmp_path / "model.safetensors").write_bytes(b"other weights")  # the model changed since
     assert stored_eval(str(tmp_path), key) is None
 
