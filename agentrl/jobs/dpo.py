@@ -11,7 +11,8 @@ from typing import Literal
 from agentrl.config import load_config, to_dict
 from agentrl.judge import JudgeSection, check_judge, judge_hook
 from agentrl.jobs.common import (EnvSection, ModelSection, RolloutSection, add_lora, eval_key, held_out_summary,
-                                 prepare_run, resolve_config_path, stored_eval, summary_config, warn_ineffective)
+                                 prepare_run, resolve_config_path, rollout_sampling, stored_eval, summary_config,
+                                 warn_ineffective)
 from agentrl.trainers.dpo import DPOConfig
 
 
@@ -176,7 +177,6 @@ def _iterative_dpo(job: _Job, dpo_cfg: DPOConfig, run, model, procs):
     """Rounds of sample -> score -> pair -> DPO from the round's policy; the last round's trainer (None if no
     round produced a pair)."""
     from agentrl.preferences import PreferenceExample
-    from agentrl.rollout.sampling import SamplingParams
     from agentrl.trainers.common import TaskCycler
 
     config, progress = job.config, job.progress
@@ -184,9 +184,7 @@ def _iterative_dpo(job: _Job, dpo_cfg: DPOConfig, run, model, procs):
                                              dpo_cfg.seed)
     if progress["cycler"] is not None:
         cycler.load_state_dict(progress["cycler"])
-    sampling = SamplingParams(max_new_tokens=config.rollout.max_new_tokens, temperature=config.iterative.temperature,
-                              top_k=config.rollout.top_k, top_p=config.rollout.top_p,
-                              share_prefix=config.rollout.share_prefix)
+    sampling = rollout_sampling(config.rollout, config.iterative.temperature)
     job.live["judge"] = judge_hook(config.iterative.judge, run.tokenizer, job.out)  # cached in out/judge-cache.jsonl
     trainer = None
     for r in range(progress["round"], config.iterative.rounds):

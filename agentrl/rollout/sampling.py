@@ -136,7 +136,7 @@ MIN_SHARED_PREFIX = 16
 
 def shared_prefix_length(contexts: list[list[int]]) -> int:
     """The tokens every context begins with, leaving each at least one token of its own (whose logits start it)."""
-    first, n = contexts[0], min(len(c) for c in contexts) - 1
+    first, n = contexts[0], max(0, min(len(c) for c in contexts) - 1)
     for c in contexts[1:]:
         n = next((k for k in range(n) if c[k] != first[k]), n)
     return n
@@ -159,6 +159,8 @@ def _prefill(model, contexts: list[list[int]], pad_token_id: int, kv: KVState | 
         device = next(model.parameters()).device
         model(input_ids=torch.tensor([unique[0][:shared]], device=device), use_cache=True,
               **{cache_kwarg(model): cache}, **{k: v for k, v in extra.items() if k != "output_hidden_states"})
+        shared = shared if cache.get_seq_length() == shared else 0  # a model that keeps no cache: prefill it all
+    if shared >= MIN_SHARED_PREFIX:
         cache.batch_repeat_interleave(len(unique))
         cache_mask = torch.ones((len(unique), shared), dtype=torch.long, device=device)
         unique = [c[shared:] for c in unique]

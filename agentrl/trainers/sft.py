@@ -49,6 +49,7 @@ class SFTConfig:
     max_length: int = 1024  # tokens; longer demonstrations are cut (and counted in truncated_rows)
     shuffle: bool = True  # reshuffle the demonstrations each pass; False: in order
     group_by_length: bool = False  # batches of rows of similar length (less padding), drawn in a shuffled order
+    # (in order of length within each window of 8 batches when not `shuffle`)
     skip_bad_rows: bool = False  # skip and count malformed rows instead of stopping at the first
     logging_steps: int = 20  # a metrics row every this many steps
     seed: int = 0  # shuffling (and, in jobs, the demonstrations' draw)
@@ -260,8 +261,8 @@ def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 class DemonstrationBatches:
     """Endless batches of encoded demonstrations in reshuffled passes (in order when not `shuffle`).
 
-    group_by_length: each pass is cut into windows of GROUP_WINDOW batches; a window's rows are sorted by length
-    and cut into batches, which are then drawn in random order. Padding falls to the spread of lengths within a
+    group_by_length: after its first batch, each pass is cut into windows of GROUP_WINDOW batches; a window's rows
+    are sorted by length and cut into batches, which are then drawn in random order (in order when not `shuffle`). Padding falls to the spread of lengths within a
     batch (transformers' group_by_length does the same with its LengthGroupedSampler)."""
 
     GROUP_WINDOW = 8
@@ -281,8 +282,8 @@ class DemonstrationBatches:
                 self.order = list(range(len(self.examples)))
                 if self.shuffle:
                     self.rng.shuffle(self.order)
-                if self.group_by_length:  # the batch in progress takes the pass's first rows as they come
-                    self.order = self._grouped(self.order, self.batch_size - len(chunk))
+                if self.group_by_length:  # the pass's first batch (or the rest of the one in progress) takes
+                    self.order = self._grouped(self.order, self.batch_size - len(chunk))  # its rows as they come
                 self.order.reverse()  # pop() from the end walks the pass front to back
             chunk.append(self.examples[self.order.pop()])
         return collate(chunk, self.pad_id)
@@ -293,7 +294,8 @@ class DemonstrationBatches:
             window = sorted(order[start:start + self.GROUP_WINDOW * size], key=lambda i: len(self.examples[i][0]))
             batches = [window[k:k + size] for k in range(0, len(window), size)]
             tail = batches.pop() if len(batches[-1]) < size else []  # a short last batch stays last: the
-            self.rng.shuffle(batches)  # next pass's rows complete it
+            if self.shuffle:  # next pass's rows complete it
+                self.rng.shuffle(batches)
             out += [i for batch in batches for i in batch] + tail
         return out
 

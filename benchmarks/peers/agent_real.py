@@ -201,7 +201,7 @@ class Evaluator:
         model, tok = load_policy(self.args.model, adapter) if adapter else (run.model, run.tokenizer)
         return evaluate(model.eval(), tok, run.env_factory, run.eval_tasks, False, 1.0,
                         max_new_tokens=c.rollout.max_new_tokens, seed=c.eval_seed,
-                        mixed_precision=c.grpo.mixed_precision)
+                        mixed_precision=c.grpo.mixed_precision, share_prefix=c.rollout.share_prefix)
 
 
 def ensure_sft_model(args) -> None:

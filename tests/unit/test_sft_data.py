@@ -144,8 +144,15 @@ def test_length_grouped_batches_pad_less_and_still_draw_every_row_once_a_pass():
         for ids, labels, mask in zip(b["input_ids"], b["labels"], b["attention_mask"]):
             n = int(mask.sum())
             assert len(examples[int(ids[0])][0]) == n and (labels[:n] == ids[:n]).all() and (labels[n:] == -100).all()
-    # within a window of 8 batches the rows are sorted by length, the batches drawn in random order
-    widths = [b["input_ids"].shape[1] for b in grouped[:7]]
-    assert widths != sorted(widths) and widths != sorted(widths, reverse=True)
+    # After the pass's first batch (4 rows as they come), the other 26 rows of the pass form one window: sorted
+    # by length and cut into 6 batches drawn in random order, then its 2 longest rows, which pass 2 completes.
+    widths = [b["input_ids"].shape[1] for b in grouped[1:7]]
+    assert widths != sorted(widths)
+    lengths = [[len(examples[int(i)][0]) for i in b["input_ids"][:, 0]] for b in grouped[1:7]]
+    window = sorted(len(examples[i][0]) for i in drawn[4:28])
+    assert sum(sorted(lengths), []) == window  # each batch a contiguous run of the sorted window
+    assert min(len(examples[i][0]) for i in drawn[28:30]) >= window[-1]
+    in_order = _batches_of(examples, 7, group_by_length=True, shuffle=False)  # shuffle=False: in order of length
+    assert [b["input_ids"].shape[1] for b in in_order[1:7]] == sorted(b["input_ids"].shape[1] for b in in_order[1:7])
     again = _batches_of(examples, 30, group_by_length=True)
     assert all((a["input_ids"] == b["input_ids"]).all() for a, b in zip(grouped, again))  # seeded

@@ -267,7 +267,7 @@ def test_sampler_prefills_a_common_prompt_prefix_once():
         assert torch.allclose(values[i, span], torch.tensor(s.values), atol=1e-5)
 
 
-@pytest.mark.parametrize("reuse_kv,share_prefix", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("reuse_kv,share_prefix", [(True, False), (False, False), (True, True), (False, True)])
 def test_multi_turn_rollout_on_the_kv_cache_keeps_exact_logprobs(tiny_base, monkeypatch, reuse_kv, share_prefix):
     """Later turns run on the cache of the earlier ones (holes where rows waited, observations appended; with
     share_prefix the first turn's cache is the prompts' common prefix, then each rest): the sampler's logprobs
