@@ -49,7 +49,8 @@ class SFTConfig:
     max_length: int = 1024  # tokens; longer demonstrations are cut (and counted in truncated_rows)
     shuffle: bool = True  # reshuffle the demonstrations each pass; False: in order
     group_by_length: bool = False  # batches of rows of similar length (less padding), drawn in a shuffled order
-    # (in order of length within each window of 8 batches when not `shuffle`)
+    # (in order of length within each window of 8 batches when not `shuffle`). Where length tells the rows'
+    # behaviour apart (a tool call adds a turn), each batch then holds one behaviour: see DemonstrationBatches
     skip_bad_rows: bool = False  # skip and count malformed rows instead of stopping at the first
     logging_steps: int = 20  # a metrics row every this many steps
     seed: int = 0  # shuffling (and, in jobs, the demonstrations' draw)
@@ -262,8 +263,12 @@ class DemonstrationBatches:
     """Endless batches of encoded demonstrations in reshuffled passes (in order when not `shuffle`).
 
     group_by_length: after its first batch, each pass is cut into windows of GROUP_WINDOW batches; a window's rows
-    are sorted by length and cut into batches, which are then drawn in random order (in order when not `shuffle`). Padding falls to the spread of lengths within a
-    batch (transformers' group_by_length does the same with its LengthGroupedSampler)."""
+    are sorted by length and cut into batches, which are then drawn in random order (in order when not `shuffle`).
+    Padding falls to the spread of lengths within a batch (transformers' group_by_length does the same with its
+    LengthGroupedSampler). The price: a batch is no longer a sample of the data. Where the rows' length follows what
+    they teach (demonstrations that call a tool are longer than those that answer at once), every batch teaches one
+    behaviour, the gradient swings between them, and the last batches decide what the model keeps; measured on the
+    real-model SFT job, it left a much weaker model (docs/real-model.md)."""
 
     GROUP_WINDOW = 8
 
