@@ -217,6 +217,16 @@ def test_a_batch_of_slow_tool_calls_overlaps():
     assert [r.observation.strip() for r in results] == [f"Observation: K{i}" for i in range(8)]
 
 
+def assert_full_forward_agrees(model, contexts, samples, temperature):
+    """The logprobs and values the sampler kept are those of one forward of the value-head model over each row."""
+    batch = build_batch([(c + s.ids, [0] * len(c) + [1] * len(s.ids), []) for c, s in zip(contexts, samples)], 0)
+    logprobs, values, _, _ = policy_forward(model, batch, temperature)
+    for i, (c, s) in enumerate(zip(contexts, samples)):
+        span = slice(len(c) - 1, len(c) - 1 + len(s.ids))
+        assert torch.allclose(logprobs[i, span], torch.tensor(s.logprobs), atol=1e-5)
+        assert torch.allclose(values[i, span], torch.tensor(s.values), atol=1e-5)
+
+
 def test_sampler_shares_identical_prompts_and_reads_values():
     """Copies of a prompt are prefilled once (GRPO groups); the logprobs and values kept by the sampler are
     those a full forward of the value-head model computes on the sampled ids."""
@@ -227,12 +237,7 @@ def test_sampler_shares_identical_prompts_and_reads_values():
     contexts = [P1, P1, [1, 9, 4], P1, [1, 9, 4]]
     samples = sample_batch(model.pretrained_model, contexts, SamplingParams(max_new_tokens=5, temperature=0.8), 2, 0,
                            generator=torch.Generator().manual_seed(0), value_head=model.v_head)
-    batch = build_batch([(c + s.ids, [0] * len(c) + [1] * len(s.ids), []) for c, s in zip(contexts, samples)], 0)
-    logprobs, values, _, _ = policy_forward(model, batch, 0.8)
-    for i, (c, s) in enumerate(zip(contexts, samples)):
-        span = slice(len(c) - 1, len(c) - 1 + len(s.ids))
-        assert torch.allclose(logprobs[i, span], torch.tensor(s.logprobs), atol=1e-5)
-        assert torch.allclose(values[i, span], torch.tensor(s.values), atol=1e-5)
+    assert_full_forward_agrees(model, contexts, samples, 0.8)
 
 
 def test_sampler_prefills_a_common_prompt_prefix_once():
@@ -259,12 +264,7 @@ def test_sampler_prefills_a_common_prompt_prefix_once():
     hook.remove()
     assert [s.ids for s in runs[True, False]] == [s.ids for s in runs[False, False]]
     samples = runs[True, True]
-    batch = build_batch([(c + s.ids, [0] * len(c) + [1] * len(s.ids), []) for c, s in zip(contexts, samples)], 0)
-    logprobs, values, _, _ = policy_forward(model, batch, 0.8)
-    for i, (c, s) in enumerate(zip(contexts, samples)):
-        span = slice(len(c) - 1, len(c) - 1 + len(s.ids))
-        assert torch.allclose(logprobs[i, span], torch.tensor(s.logprobs), atol=1e-5)
-        assert torch.allclose(values[i, span], torch.tensor(s.values), atol=1e-5)
+    assert_full_forward_agrees(model, contexts, samples, 0.8)
 
 
 @pytest.mark.parametrize("reuse_kv,share_prefix", [(True, False), (False, False), (True, True), (False, True)])
