@@ -238,9 +238,8 @@ def sample_batch(
     extra = _forward_kwargs(model, value_head is not None)
     cache, attention_mask, positions, last_logits, last_hidden = _prefill(model, contexts, pad_token_id, kv, extra,
                                                                           params.share_prefix)
-    B = len(contexts)
-    samples = [Sample([], [], "length", [] if value_head is not None else None) for _ in range(B)]
-    active = torch.ones(B, dtype=torch.bool, device=device)
+    samples = [Sample([], [], "length", [] if value_head is not None else None) for _ in contexts]
+    active = torch.ones(len(contexts), dtype=torch.bool, device=device)
     cache_kw = cache_kwarg(model)
     next_pos = positions[:, -1:] + 1
     for n_new in range(params.max_new_tokens):
