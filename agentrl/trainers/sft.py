@@ -48,6 +48,8 @@ class SFTConfig:
     max_grad_norm: float | None = 1.0  # gradient-norm clip (None: off)
     max_length: int = 1024  # tokens; longer demonstrations are cut (and counted in truncated_rows)
     shuffle: bool = True  # reshuffle the demonstrations each pass; False: in order
+    share_prefix: bool = False  # rows that begin alike (a system message, tool schemas) run those tokens once a
+    # batch (shared_prefix_loss): the same loss up to float rounding, at real vocabulary sizes (the sparse-logits path)
     group_by_length: bool = False  # batches of rows of similar length (less padding), drawn in a shuffled order
     # (in order of length within each window of 8 batches when not `shuffle`). Where length tells the rows'
     # behaviour apart (a tool call adds a turn), each batch then holds one behaviour: see DemonstrationBatches
@@ -244,8 +246,11 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
 SPARSE_LOGITS_MIN_VOCAB = 32768
 
 
-def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The causal LM's mean cross-entropy over the trainable tokens of a collated batch."""
+def sft_loss(model, batch: dict[str, torch.Tensor], share_prefix: bool = False) -> torch.Tensor:
+    """The causal LM's mean cross-entropy over the trainable tokens of a collated batch.
+
+    share_prefix: rows that begin with the same tokens run them once (shared_prefix_loss); the same loss up to
+    float rounding."""
     from agentrl.rollout.sampling import index_logits_to_keep
 
     device = next(model.parameters()).device
@@ -253,10 +258,44 @@ def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 0
     if vocab < SPARSE_LOGITS_MIN_VOCAB or not index_logits_to_keep(model, device):
         return model(**batch).loss
+    loss = shared_prefix_loss(model, batch) if share_prefix else None
+    if loss is not None:
+        return loss
     targets = batch["labels"][:, 1:]  # (B, T-1): the token each position predicts, -100 where not trained
     keep = (targets != -100).any(0).nonzero().squeeze(1)  # (K,) positions any row trains on
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep).logits
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets[:, keep].flatten(), ignore_index=-100)
+
+
+def shared_prefix_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """sft_loss with each group of rows that share a prefix (prefix_groups: an agent's demonstrations share the
+    system message and the tool schemas, most of each row) running that prefix once, as a batch of one whose KV
+    cache every row of the group continues (common_prefix_logprobs; gradients reach the prefix through the cache).
+    Rows that share nothing worth it run as one more batch. None where the model cannot take this path (gradient
+    checkpointing keeps no cache; a head that cannot be split off): then the plain forward."""
+    from agentrl.trainers.common import TokenBatch, common_prefix_logprobs, prefix_groups, response_logprobs
+
+    checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers 5 (is_gradient_... before)
+    if checkpointing if checkpointing is not None else getattr(model, "is_gradient_checkpointing", False):
+        return None
+    trained = (batch["labels"][:, 1:] != -100).float()  # (B, T-1): position t predicts a trained token t+1
+    tokens = TokenBatch(batch["input_ids"], batch["attention_mask"], trained, torch.zeros_like(trained))
+    total, alone = -trained.sum().clamp(min=1), []
+    loss = None
+    for rows, prefix in prefix_groups(tokens):
+        part = tokens.select(rows)
+        out = common_prefix_logprobs(model, part, 1.0, min_saving=0.0) if prefix >= 2 else None
+        if out is None:
+            alone.append(rows)
+            continue
+        loss = (out[0] * part.loss_mask).sum() / total + (0.0 if loss is None else loss)
+    if alone:
+        part = tokens.select(torch.cat(alone))
+        out = response_logprobs(model, part, 1.0)
+        if out is None:
+            return None
+        loss = (out[0] * part.loss_mask).sum() / total + (0.0 if loss is None else loss)
+    return loss
 
 
 class DemonstrationBatches:
@@ -355,7 +394,7 @@ class SFTTrainer:
         bf16 = resolve_mixed_precision(cfg.mixed_precision, device_type) == "bf16"
         for step in range(steps):
             with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
-                loss = sft_loss(model, batches.next())
+                loss = sft_loss(model, batches.next(), cfg.share_prefix)
             loss.backward()
             if cfg.max_grad_norm:  # None or 0: no clipping
                 torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)

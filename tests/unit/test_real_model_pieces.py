@@ -47,6 +47,46 @@ def test_sparse_logits_sft_loss_equals_the_full_loss():
     assert torch.allclose(g_sparse, model.model.layers[0].self_attn.q_proj.weight.grad, atol=1e-6)
 
 
+def test_shared_prefix_sft_loss_equals_the_full_loss():
+    """Two kinds of rows, as in an agent's SFT batch with replay: four that share a long prompt (the system message
+    and tool schemas) and differ after it, two that share another, and one alone; right-padded to one width."""
+    from agentrl.trainers.common import TokenBatch, prefix_groups
+    from agentrl.trainers.sft import shared_prefix_loss
+
+    model = tiny_llama(SPARSE_LOGITS_MIN_VOCAB, seed=1)
+    g = torch.Generator().manual_seed(0)
+    tools, other = torch.randint(0, 1000, (9,), generator=g), torch.randint(1000, 2000, (4,), generator=g)
+    rows, prompts = [], [(tools, 4), (tools, 5), (tools, 3), (tools, 4), (other, 3), (other, 6), (None, 5)]
+    for shared, own in prompts:
+        prompt = torch.randint(2000, 3000, (own,), generator=g)
+        prompt = prompt if shared is None else torch.cat([shared, prompt])
+        answer = torch.randint(3000, 4000, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g)
+        rows.append((prompt, answer))
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    labels, attention = torch.full_like(ids, -100), torch.zeros_like(ids)
+    for i, (p, a) in enumerate(rows):
+        ids[i, : len(p) + len(a)] = torch.cat([p, a])
+        labels[i, len(p): len(p) + len(a)] = a
+        attention[i, : len(p) + len(a)] = 1
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": attention}
+    trained = (labels[:, 1:] != -100).float()
+    groups = prefix_groups(TokenBatch(ids, attention, trained, torch.zeros_like(trained)))
+    assert sorted((sorted(r.tolist()), p) for r, p in groups) == [([0, 1, 2, 3], 9), ([4, 5], 4), ([6], 0)]
+
+    grads = []
+    for loss_of in (lambda: model(**batch).loss, lambda: shared_prefix_loss(model, batch),
+                    lambda: sft_loss(model, batch, share_prefix=True)):
+        model.zero_grad()
+        loss = loss_of()
+        loss.backward()
+        grads.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    for value, grad in grads[1:]:
+        assert value == pytest.approx(grads[0][0], rel=1e-5)
+        for a, b in zip(grad, grads[0][1]):
+            assert torch.allclose(a, b, atol=1e-6)
+
+
 def test_approx_kl_warning():
     config = PPOConfig(batch_size=2, mini_batch_size=2)
     with pytest.warns(UserWarning, match=r"PPO step 3: approx-KL 2\.98 .*exceeds ppo\.approx_kl_warning=0\.5"):
