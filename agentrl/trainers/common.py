@@ -677,48 +677,41 @@ def common_prefix_logprobs(model, batch: TokenBatch, temperature: float, with_en
                           entropy_grad, value_head)
 
 
-def prefix_groups(batch: TokenBatch, min_rows: int = 2) -> list[tuple[torch.Tensor, int]]:
+def prefix_groups(batch: TokenBatch) -> list[tuple[torch.Tensor, int]]:
     """The batch's rows cut into groups that share a prefix, chosen to skip the most positions: [(rows, P)], where
     the P first tokens of every row in `rows` are the same and end at or before each row's first trained token.
-    Rows are sorted by their prompt's ids, so rows sharing a prefix are neighbours; among the cuts of that order
-    into runs, a dynamic programme picks the one that maximises the sum of (len(run) - 1) x P (each run's prefix
-    runs once instead of len(run) times). A batch mixing two kinds of rows (an agent's demonstrations, which share a
-    long system message and tool schemas, and general instructions under another system message) gets one group of
-    each; a row that shares nothing worth it comes back alone with P = 0."""
+    Rows are sorted by their prompts' ids, so rows sharing a prefix are neighbours, and a run of sorted rows shares
+    what its first and last rows share. Among the cuts of that order into runs, a dynamic programme picks the one
+    that maximises the sum of (len(run) - 1) x P: each run's prefix runs once instead of len(run) times. A batch
+    mixing two kinds of rows (an agent's demonstrations, which share a long system message and tool schemas, and
+    general instructions under another system message) gets a group of each; a row that shares nothing comes back
+    alone with P = 0."""
     ids, mask = batch.input_ids.tolist(), batch.loss_mask.bool()
     B = len(ids)
     first = (mask.float().argmax(-1) + 1).tolist()  # each row's first trained token (the end of its prompt)
     prompts = [ids[i][: first[i]] if bool(mask[i].any()) else [] for i in range(B)]
     order = sorted(range(B), key=lambda i: prompts[i])
 
-    def lcp(a: list[int], b: list[int]) -> int:
+    def shared(a: list[int], b: list[int]) -> int:
         n = 0
-        for x, y in zip(a, b):
-            if x != y:
-                break
+        while n < min(len(a), len(b)) and a[n] == b[n]:
             n += 1
         return n
 
-    # best[k]: the most positions saved over the first k rows of `order`; cut[k]: where its last run starts.
-    best, cut = [0] * (B + 1), [0] * (B + 1)
+    # best[k]: the most positions saved over the first k sorted rows; its last run is order[start[k]:k] sharing P[k].
+    best, start, P = [0] * (B + 1), list(range(-1, B)), [0] * (B + 1)
     for k in range(1, B + 1):
-        best[k], cut[k], common = best[k - 1], k - 1, len(prompts[order[k - 1]])
-        for j in range(k - 2, -1, -1):  # the run order[j:k]
-            common = min(common, lcp(prompts[order[j]], prompts[order[k - 1]]))
+        best[k] = best[k - 1]
+        for j in range(k - 2, -1, -1):  # the run order[j:k]; sharing only shrinks as j goes down
+            common = shared(prompts[order[j]], prompts[order[k - 1]])
             if common == 0:
                 break
-            saved = best[j] + (k - j - 1) * common
-            if saved > best[k] and k - j >= min_rows:
-                best[k], cut[k] = saved, j
+            if best[j] + (k - j - 1) * common > best[k]:
+                best[k], start[k], P[k] = best[j] + (k - j - 1) * common, j, common
     groups, k = [], B
     while k > 0:
-        j = cut[k]
-        run = order[j:k]
-        common = min(len(prompts[i]) for i in run)
-        for i in run[1:]:
-            common = min(common, lcp(prompts[run[0]], prompts[i]))
-        groups.append((torch.tensor(sorted(run), device=batch.input_ids.device), common if len(run) > 1 else 0))
-        k = j
+        groups.append((torch.tensor(sorted(order[start[k]:k]), device=batch.input_ids.device), P[k]))
+        k = start[k]
     return groups[::-1]
 
 

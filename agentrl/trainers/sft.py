@@ -280,22 +280,21 @@ def shared_prefix_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor | 
         return None
     trained = (batch["labels"][:, 1:] != -100).float()  # (B, T-1): position t predicts a trained token t+1
     tokens = TokenBatch(batch["input_ids"], batch["attention_mask"], trained, torch.zeros_like(trained))
-    total, alone = -trained.sum().clamp(min=1), []
-    loss = None
+    summed, alone = [], []  # summed: each part's total logprob of its trained tokens
     for rows, prefix in prefix_groups(tokens):
         part = tokens.select(rows)
         out = common_prefix_logprobs(model, part, 1.0, min_saving=0.0) if prefix >= 2 else None
         if out is None:
             alone.append(rows)
-            continue
-        loss = (out[0] * part.loss_mask).sum() / total + (0.0 if loss is None else loss)
+        else:
+            summed.append((out[0] * part.loss_mask).sum())
     if alone:
         part = tokens.select(torch.cat(alone))
         out = response_logprobs(model, part, 1.0)
         if out is None:
             return None
-        loss = (out[0] * part.loss_mask).sum() / total + (0.0 if loss is None else loss)
-    return loss
+        summed.append((out[0] * part.loss_mask).sum())
+    return -torch.stack(summed).sum() / trained.sum().clamp(min=1)
 
 
 class DemonstrationBatches:

@@ -87,6 +87,17 @@ def test_shared_prefix_sft_loss_equals_the_full_loss():
             assert torch.allclose(a, b, atol=1e-6)
 
 
+def test_prefix_groups_keep_untrained_rows_alone():
+    from agentrl.trainers.common import TokenBatch, prefix_groups
+
+    ids = torch.tensor([[5, 6, 7, 8, 1], [5, 6, 7, 9, 2], [5, 6, 7, 8, 3], [5, 6, 4, 4, 4]])
+    trained = torch.zeros((4, 4))
+    trained[0, 3:], trained[1, 3:], trained[2, 2:] = 1, 1, 1  # row 3 trains on nothing
+    groups = prefix_groups(TokenBatch(ids, torch.ones_like(ids), trained, trained))
+    # Rows 0 and 2 share 4 prompt tokens but row 2's prompt ends after 3: all three share 3.
+    assert sorted((sorted(r.tolist()), p) for r, p in groups) == [([0, 1, 2], 3), ([3], 0)]
+
+
 def test_approx_kl_warning():
     config = PPOConfig(batch_size=2, mini_batch_size=2)
     with pytest.warns(UserWarning, match=r"PPO step 3: approx-KL 2\.98 .*exceeds ppo\.approx_kl_warning=0\.5"):
