@@ -38,8 +38,8 @@ demo-search: $(STAMP)
 	.venv/bin/agentrl report runs/search
 
 # A real pretrained model (SmolLM2-135M-Instruct from its wheel): SFT, then PPO from the SFT model, the
-# commands a user types (configs/real.yaml). 28 minutes under bf16 on a 2-core CPU with AVX512-BF16; 75 in float32
-# on a 2-core AVX2-only CPU, measured before sft.share_prefix (docs/real-model.md).
+# commands a user types (configs/real.yaml). 35 minutes under bf16 on a 2-core CPU with AVX512-BF16; 75 in float32
+# on a 2-core AVX2-only CPU, measured before sft.share_prefix and with 16 PPO steps, not 24 (docs/real-model.md).
 demo-real: $(STAMP)
 	.venv/bin/agentrl sft --config real out_dir=runs/real-sft
 	.venv/bin/agentrl ppo --config real model.base=runs/real-sft/model out_dir=runs/real-ppo
