@@ -89,6 +89,7 @@ class PPOConfig:
     value_head_init_std: float = 0.0  # value head init: 0 = zeros
     value_learning_rate: float | None = None  # the value head's own learning rate (None: learning_rate), see __init__
     norm_learning_rate: float | None = None  # learning rate of trainable norm gains (None: learning_rate)
+    anneal_lr: bool = False  # train(): every rate falls linearly over the run, to 1/steps of itself at the last step
     missing_eos_penalty: float | None = None  # subtracted from the score of episodes cut by max_new_tokens
     mixed_precision: Literal["no", "fp16", "bf16", "auto"] = "no"  # accelerate's; auto: bf16 where native
     project_dir: str | None = None  # where trackers write (tensorboard logs)
@@ -251,6 +252,7 @@ class PPOTrainer:
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
         # Prepared, the scheduler steps with the optimizer's real steps (gradient accumulation included).
         self.lr_scheduler = self.accelerator.prepare(lr_scheduler) if lr_scheduler is not None else None
+        self._peak_lrs = [group["lr"] for group in self.optimizer.param_groups]  # what anneal_lr falls from
         if self.ref_model is not None:
             self.ref_model = self.ref_model.to(self.accelerator.device)
         self.current_device = self.accelerator.device
@@ -318,7 +320,10 @@ class PPOTrainer:
         self.metrics_log = resumed_metrics(self, metrics_path)
         cycler, history = resumed_cycler(self, tasks, self.config.seed), []
         bar = progress_bar(steps, "PPO", progress and self.accelerator.is_main_process)
+        total_steps = self.current_step + steps  # a resumed run anneals over the whole run, not what is left
         for i in range(steps):
+            if self.config.anneal_lr:
+                self._anneal_lr(total_steps)
             # Every rank draws the same global batch from the same cycler and keeps its own slice: distinct
             # tasks per rank, one task order to checkpoint (batch_size is per process, as in TRL 0.11).
             global_tasks = cycler.draw(self.config.batch_size * self.accelerator.num_processes)
@@ -346,6 +351,13 @@ class PPOTrainer:
         if bar is not None:
             bar.close()
         return history
+
+    def _anneal_lr(self, total_steps: int) -> None:
+        """Linear decay by PPO step (CleanRL's anneal_lr): the full rates at the first step, 1/total_steps of
+        them at the last. Set from the step count, so a resumed run continues the same schedule."""
+        frac = 1.0 - self.current_step / total_steps
+        for group, peak in zip(self.optimizer.param_groups, self._peak_lrs):
+            group["lr"] = peak * frac
 
     # --- the update ------------------------------------------------------------------------------------
 

@@ -144,3 +144,19 @@ def test_trainer_api_save_and_load_checkpoint_continue_exactly(tiny_base, tmp_pa
     assert drop(later) == drop(history) and len(later) == 4
     for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
         assert torch.equal(p, q), n
+
+
+def test_anneal_lr_falls_by_step_and_a_resumed_run_keeps_the_schedule(tiny_base, tmp_path):
+    import shutil
+
+    cmd = [*JOBS["ppo"], f"model.base={tiny_base}", *SMALL, "checkpoint_every=2", "ppo.anneal_lr=true",
+           "ppo.learning_rate=0.004"]
+    ref, run = tmp_path / "reference", tmp_path / "run"
+    assert main([*cmd, f"out_dir={ref}"]) == 0
+    rows = _rows(ref)["metrics.jsonl"]
+    assert [r["ppo/learning_rate"] for r in rows] == pytest.approx([0.004, 0.003, 0.002, 0.001])
+    shutil.copytree(ref, run)  # as if the run had stopped after its checkpoint at step 2
+    shutil.rmtree(run / "checkpoints" / "step-000004")
+    (run / "summary.json").unlink()
+    assert main([*cmd, f"out_dir={run}", "resume=auto"]) == 0
+    assert _rows(run) == _rows(ref)
