@@ -249,6 +249,8 @@ class PPOTrainer:
         self.optimizer = optimizer or torch.optim.Adam(groups, lr=config.learning_rate, eps=config.adam_eps)
         if lr_scheduler is not None and not isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
             raise ValueError("lr_scheduler must be a torch.optim.lr_scheduler.LRScheduler")
+        if lr_scheduler is not None and config.anneal_lr:
+            raise ValueError("PPOConfig.anneal_lr sets the learning rates itself; pass no lr_scheduler with it")
         self.model, self.optimizer = self.accelerator.prepare(model, self.optimizer)
         # Prepared, the scheduler steps with the optimizer's real steps (gradient accumulation included).
         self.lr_scheduler = self.accelerator.prepare(lr_scheduler) if lr_scheduler is not None else None

@@ -156,3 +156,12 @@ def test_sentiment_example_runs(tiny_base):
     history = main(tiny_base, steps=2, batch_size=4, mini_batch_size=2)
     assert len(history) == 2
     assert all(np.isfinite([h["reward"], h["ref_reward"], h["kl"]]).all() for h in history)
+
+
+def test_anneal_lr_refuses_a_scheduler_of_its_own(gpt2_dir):
+    model, tok, config = make(gpt2_dir)
+    config.anneal_lr = True
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(ValueError, match="anneal_lr"):
+        PPOTrainer(config, model, None, tok, optimizer=optimizer,
+                   lr_scheduler=torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5))

@@ -15,11 +15,11 @@ def test_splits_share_no_question_and_demonstrations_teach_the_format_not_the_po
     assert not {t["question"] for t in train} & {t["question"] for t in held_out}
     rng = random.Random(0)
     rows = [shopchat.shop_demonstration(task, rng) for task in train[:400]]
-    calls = [row for row in rows if any(m.get("tool_calls") for m in row["messages"])]
-    assert 0.4 < len(calls) / len(rows) < 0.6
-    for task, row in zip(train, rows):
+    called = [any(m.get("tool_calls") for m in row["messages"]) for row in rows]
+    assert 0.4 < sum(called) / len(rows) < 0.6
+    for task, row, calls in zip(train, rows, called):
         answer = row["messages"][-1]["content"]
-        assert shopchat.right_total(task, answer) == (row in calls), answer
+        assert shopchat.right_total(task, answer) == calls, answer
 
 
 def test_the_tool_prices_an_order_and_names_what_the_shop_sells():
