@@ -23,7 +23,8 @@ def order_total(item: str, quantity: int) -> str:
         item: the item's name, singular, e.g. "clay pot"
         quantity: how many are ordered
     """
-    name = item.strip().lower().rstrip("s") if item.strip().lower() not in PRICES else item.strip().lower()
+    name = item.strip().lower()
+    name = name if name in PRICES else name.rstrip("s")  # "clay pots" -> "clay pot"
     if name not in PRICES:
         raise ValueError(f"the shop sells no {item!r}; it sells {', '.join(PRICES)}")
     return f"{PRICES[name] * int(quantity):.2f}"

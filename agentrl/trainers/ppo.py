@@ -356,7 +356,9 @@ class PPOTrainer:
 
     def _anneal_lr(self, total_steps: int) -> None:
         """Linear decay by PPO step (CleanRL's anneal_lr): the full rates at the first step, 1/total_steps of
-        them at the last. Set from the step count, so a resumed run continues the same schedule."""
+        them at the last. Set from the step count, so a resumed run continues the same schedule. Not a LambdaLR
+        through `lr_scheduler`: the run's length is known only in train(), and accelerate's prepared scheduler
+        steps once per process on each call, which would anneal faster under DDP."""
         frac = 1.0 - self.current_step / total_steps
         for group, peak in zip(self.optimizer.param_groups, self._peak_lrs):
             group["lr"] = peak * frac
