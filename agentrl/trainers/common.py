@@ -532,12 +532,13 @@ def _head_logprobs(head, hidden, where, targets, temperature, with_entropy, entr
 
 
 def shared_prefix_logprobs(model, batch: TokenBatch, temperature: float, with_entropy: bool = False,
-                           entropy_grad: bool = False):
+                           entropy_grad: bool = False, rest_min_saving: float | None = None):
     """`response_logprobs` for batches whose rows share prefixes (GRPO's groups: one prompt, num_generations
     episodes; DPO's pairs: one prompt, chosen and rejected): each distinct prefix (the ids before a row's first
     sampled token) runs once, its KV cache is copied to the rows that share it, and only the rest of each row
     runs on top of it. The same maths as one forward over the whole rows (gradients reach the prefix through
-    the cache); the prompt's FLOPs are paid once per group instead of once per row.
+    the cache); the prompt's FLOPs are paid once per group instead of once per row. rest_min_saving: see
+    rests_on_prefixes (None: LogprobPaths' default).
 
     Returns (logprobs, entropy or None, None) like response_logprobs, or None where there is little to share
     (fewer than two rows per prefix on average), a row has no sampled token, or the model's head cannot be
@@ -580,26 +581,34 @@ def shared_prefix_logprobs(model, batch: TokenBatch, temperature: float, with_en
     rm = torch.tensor(row_map, device=device)
     last = out.hidden_states[-1][:, -1][rm]  # (B, H)
     rest = (batch.attention_mask.sum(-1) - first).clamp(min=0)  # (B,) each row's tokens after its prefix
-    groups = length_groups(rest, REST_GROUP_MIN_SAVING) if B >= 4 else None
+    saving = FAST.rest_min_saving if rest_min_saving is None else rest_min_saving
+    return rests_on_prefixes(model, kw, head, batch, cache, rm, prefix_mask, last, first, rest, temperature,
+                             with_entropy, entropy_grad, rest_min_saving=saving)
+
+
+def rests_on_prefixes(model, kw, head, batch: TokenBatch, cache, rm, prefix_mask, last, first, rest, temperature,
+                      with_entropy, entropy_grad, value_head=None, rest_min_saving: float | None = None):
+    """The second part of the prefix-sharing paths: each row's rest on top of its prefix's KV (`cache` holds one
+    entry per prefix, `rm` (B,) says which prefix each row has; `last` (B, H), `first` and `rest` (B,) are the
+    rows' own). Rows whose rests differ in length (DPO's chosen and rejected, an agent's episodes of one turn and
+    of three) run in two groups by rest length, each on its own copy of its rows' prefix caches, when that cuts the
+    rest's padded positions by at least `rest_min_saving` (None: one forward): the same numbers per row, fewer
+    positions. Returns (logprobs, entropy or None, values or None), each (B, T-1)."""
+    from transformers import DynamicCache
+
+    B = len(rm)
+    groups = length_groups(rest, rest_min_saving) if rest_min_saving is not None and B >= 4 else None
     if groups is None:  # one forward over every row's rest
         cache.batch_select_indices(rm)  # (U, ...) -> (B, ...): differentiable indexing of each layer's K and V
-        return _rest_logprobs(model, kw, head, batch, torch.arange(B, device=device), cache, prefix_mask[rm],
-                              last, first, rest, temperature, with_entropy, entropy_grad)
-    # Rows of similar rest lengths together (DPO's chosen and rejected differ), each group on its own copy of
-    # its rows' prefix caches: fewer padded positions, the same numbers per row.
-    logprobs = entropy = None
+        return _rest_logprobs(model, kw, head, batch, torch.arange(B, device=rm.device), cache, prefix_mask[rm],
+                              last, first, rest, temperature, with_entropy, entropy_grad, value_head)
+    totals = [None, None, None]  # logprobs, entropy, values: disjoint rows, zeros elsewhere
     for g in groups:
         cache_g = DynamicCache(ddp_cache_data=[(layer.keys[rm[g]], layer.values[rm[g]]) for layer in cache.layers])
-        lp, ent, _ = _rest_logprobs(model, kw, head, batch, g, cache_g, prefix_mask[rm[g]], last[g], first[g],
-                                    rest[g], temperature, with_entropy, entropy_grad)
-        logprobs = lp if logprobs is None else logprobs + lp  # disjoint rows, zeros elsewhere
-        entropy = None if ent is None else ent if entropy is None else entropy + ent
-    return logprobs, entropy, None
-
-
-# Rows are split in two groups by the length of their rest (shared_prefix_logprobs) when that saves at least this
-# fraction of the rest's padded positions. Lower than LogprobPaths.bucket_min_saving: the prefix is not run again.
-REST_GROUP_MIN_SAVING = 0.1
+        parts = _rest_logprobs(model, kw, head, batch, g, cache_g, prefix_mask[rm[g]], last[g], first[g], rest[g],
+                               temperature, with_entropy, entropy_grad, value_head)
+        totals = [part if total is None or part is None else total + part for total, part in zip(totals, parts)]
+    return tuple(totals)
 
 
 def _rest_logprobs(model, kw, head, batch: TokenBatch, rows, cache, prefix_mask, last, first, rest, temperature,
@@ -633,12 +642,14 @@ def _rest_logprobs(model, kw, head, batch: TokenBatch, rows, cache, prefix_mask,
 
 def common_prefix_logprobs(model, batch: TokenBatch, temperature: float, with_entropy: bool = False,
                            entropy_grad: bool = False, value_head: torch.nn.Module | None = None,
-                           min_saving: float = 0.25):
+                           min_saving: float = 0.25, rest_min_saving: float | None = None):
     """`response_logprobs` for a batch whose rows all begin with the same tokens: an agent's episodes share the
     system message, the tool schemas and the chat markers, often most of each row (a chat-template prompt with
     one tool is ~190 of ~220 tokens). That common prefix runs once as a batch of one, its KV cache is expanded
     to every row, and only the rest of each row runs on top of it. The same maths as one forward over the whole
     rows (gradients reach the prefix through the cache). value_head: PPO's, read on the same hidden states.
+    rest_min_saving: the rests run in two groups by length when that saves this much (rests_on_prefixes; None:
+    one forward).
 
     Returns (logprobs, entropy or None, values or None), each (B, T-1), or None when the prefix would save less
     than `min_saving` of the batch's positions, a row has no sampled token, or the model's head cannot be split
@@ -670,11 +681,10 @@ def common_prefix_logprobs(model, batch: TokenBatch, temperature: float, with_en
                 use_cache=True, output_hidden_states=True, **_no_logits(model, device), **{kw: cache})
     if cache.get_seq_length() != P:  # the model kept no cache (gradient checkpointing turns it off)
         return None
-    cache.batch_select_indices(torch.zeros(B, dtype=torch.long, device=device))  # (1, ...) -> (B, ...), differentiable
     last = out.hidden_states[-1][:, -1].expand(B, -1)  # (B, H): predicts each row's token P
-    return _rest_logprobs(model, kw, head, batch, torch.arange(B, device=device), cache, prefix_mask.expand(B, -1),
-                          last, torch.full((B,), P, device=device), lengths - P, temperature, with_entropy,
-                          entropy_grad, value_head)
+    return rests_on_prefixes(model, kw, head, batch, cache, torch.zeros(B, dtype=torch.long, device=device),
+                             prefix_mask, last, torch.full((B,), P, device=device), lengths - P, temperature,
+                             with_entropy, entropy_grad, value_head, rest_min_saving)
 
 
 def prefix_groups(batch: TokenBatch) -> list[tuple[torch.Tensor, int]]:
@@ -724,11 +734,14 @@ class LogprobPaths:
     shared_prefix: prompts that rows share run once (shared_prefix_logprobs for GRPO groups and DPO pairs).
     bucket_min_saving: rows of similar length forward apart (by_length) when that cuts the padded positions by at
       least this fraction (above 1: never).
+    rest_min_saving: the same for the rests after a shared prefix (rests_on_prefixes). Lower than
+      bucket_min_saving: the prefix is not run again for the second group.
     """
 
     response_only: bool = True
     shared_prefix: bool = True
     bucket_min_saving: float = 0.25
+    rest_min_saving: float = 0.1
 
 
 FAST = LogprobPaths()
@@ -778,7 +791,7 @@ def masked_logprobs(model, batch: TokenBatch, temperature: float, with_entropy: 
     wrapped = type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine")
     out = None
     if not wrapped and paths.response_only and paths.shared_prefix:
-        out = shared_prefix_logprobs(model, batch, temperature, with_entropy)
+        out = shared_prefix_logprobs(model, batch, temperature, with_entropy, rest_min_saving=paths.rest_min_saving)
     if out is None and not wrapped and paths.response_only:
         out = response_logprobs(model, batch, temperature, with_entropy)
     if out is not None:

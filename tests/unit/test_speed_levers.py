@@ -69,12 +69,12 @@ def test_response_only_logprobs_match_the_full_forward(monkeypatch, chunk, block
 def test_shared_prefix_logprobs_match_the_full_forward(monkeypatch, grouped):
     """Each distinct prompt runs once and its KV cache is shared: same logprobs, entropy and gradients; also with
     the rests run in two groups by length (rests of 1, 2, 2 and 4, 5 tokens: 16 padded positions instead of 25)."""
-    monkeypatch.setattr(common, "REST_GROUP_MIN_SAVING", 0.3 if grouped else 1.1)
     calls = []
     monkeypatch.setattr(common, "_rest_logprobs", lambda *a, **k: calls.append(len(a[4])) or rest_logprobs(*a, **k))
     model, batch = tiny_lora(), build_batch(ROWS, 0)
     shared = values_and_grads(model, lambda: shared_prefix_logprobs(model, batch, 0.7, with_entropy=True,
-                                                                    entropy_grad=True)[:2])
+                                                                    entropy_grad=True,
+                                                                    rest_min_saving=0.3 if grouped else 1.1)[:2])
     assert_same(shared, values_and_grads(model, lambda: reference(model, batch, 0.7)))
     assert calls == ([3, 2] if grouped else [5])  # rows per forward of the rests
     # Nothing to share (every prompt distinct): no shortcut taken.
@@ -87,10 +87,14 @@ AGENT_ROWS = [(S + [20, 21] + [8, 9, 10, 3], [0] * 8 + [1, 1, 0, 1], []), (S + [
               (S + [23, 24, 25] + [40, 41, 42, 43], [0] * 9 + [1, 1, 1, 1], []), (S + [20, 26] + [50], [0] * 8 + [1], [])]
 
 
-def test_common_prefix_logprobs_match_the_full_forward():
-    """The prompt's common prefix runs once for the whole batch: same logprobs, entropy, values and gradients."""
+@pytest.mark.parametrize("grouped", [False, True])
+def test_common_prefix_logprobs_match_the_full_forward(monkeypatch, grouped):
+    """The prompt's common prefix runs once for the whole batch: same logprobs, entropy, values and gradients;
+    also with the rests run in two groups by length (rests of 3, 3, 6, 7 tokens: 20 padded positions, not 28)."""
     from agentrl.models.value_head import AutoModelForCausalLMWithValueHead
 
+    calls = []
+    monkeypatch.setattr(common, "_rest_logprobs", lambda *a, **k: calls.append(len(a[4])) or rest_logprobs(*a, **k))
     model = AutoModelForCausalLMWithValueHead(tiny_lora(), v_head_init_std=0.1).eval()
     lm, batch = model.pretrained_model, build_batch(AGENT_ROWS, 0)
 
@@ -102,7 +106,9 @@ def test_common_prefix_logprobs_match_the_full_forward():
                                                                      if p.requires_grad and p.grad is not None]
 
     shared = run(lambda: common_prefix_logprobs(lm, batch, 0.7, with_entropy=True, entropy_grad=True,
-                                                value_head=model.v_head, min_saving=0.1))
+                                                value_head=model.v_head, min_saving=0.1,
+                                                rest_min_saving=0.2 if grouped else None))
+    assert calls == ([2, 2] if grouped else [4])  # rows per forward of the rests
     plain = run(lambda: response_logprobs(lm, batch, 0.7, with_entropy=True, entropy_grad=True,
                                           value_head=model.v_head))
     assert all(torch.allclose(a, b, atol=2e-6) for a, b in zip(shared[0], plain[0]))
@@ -327,7 +333,6 @@ def test_the_models_own_head_runs_on_no_position_in_the_fast_paths(monkeypatch, 
     from agentrl.rollout import SamplingParams, sample_batch
     from agentrl.rollout.sampling import index_logits_to_keep
 
-    monkeypatch.setattr(common, "REST_GROUP_MIN_SAVING", 1.1)  # the rests in one forward
     model = tiny_lora()
     if int_only:
         base = model.get_base_model()
@@ -340,7 +345,7 @@ def test_the_models_own_head_runs_on_no_position_in_the_fast_paths(monkeypatch, 
     response_logprobs(model, batch, 0.7)  # the one-time check that the head can be split off runs the head
     rows_through_head.clear()
     fast = response_logprobs(model, batch, 0.7)[0]
-    shared = shared_prefix_logprobs(model, batch, 0.7)[0]
+    shared = shared_prefix_logprobs(model, batch, 0.7, rest_min_saving=1.1)[0]  # the rests in one forward
     # The fast paths apply the head weight themselves, not through the module, so only the model's own head
     # shows here: on no position with an index; with the int, one a row (5 rows; 2 prompts, then 5 rests).
     assert rows_through_head == ([0, 0, 0] if not int_only else [5, 2, 5])
