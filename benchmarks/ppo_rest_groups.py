@@ -1,14 +1,13 @@
-"""One PPO update on real rollouts, with the rests after the shared prompt in one padded forward or in two
-groups by length (LogprobPaths.rest_min_saving), A/B in one process from the same weights.
+"""One PPO update on real rollouts, with the rests after the shared prompt in one padded forward or in groups by
+length (LogprobPaths.rest_min_saving, rest_buckets), A/B in one process from the same weights.
 
-    python benchmarks/ppo_rest_groups.py --config real model.base=runs/real-sft/model [other job overrides]
+    python benchmarks/ppo_rest_groups.py --buckets 1,2,3 model.base=runs/real-sft/model [other job overrides]
 
 Rolls out `--batches` batches of the job's ppo.batch_size episodes with the job's own model, LoRA, environment and
 sampling, then runs each batch's `_update` once per variant, alternating, each time from the same adapter, value
-head and optimizer state and the same torch RNG, after one untimed warm-up update; the variants take turns going
-first. Prints one JSON line: per variant the median wall and CPU seconds
-of an update, the padded rest positions of each mini-batch forward, and the largest difference between the two
-variants' loss and updated weights (rounding only, when the grouping is exact). Run it under OMP_NUM_THREADS=1
+head and optimizer state and the same torch RNG, after one untimed warm-up update (every other batch runs the
+variants in reverse order). Prints one JSON line: per variant the median wall and CPU seconds of an update, the padded rest positions of the mini-batches in row order, and the largest difference from the
+first variant's loss and updated weights (rounding only, when the grouping is exact). Run it under OMP_NUM_THREADS=1
 and nothing else on the machine.
 """
 
@@ -23,7 +22,7 @@ import time
 import torch
 
 
-def rest_positions(batch, mini_batch_size: int, min_saving: float | None) -> tuple[int, int]:
+def rest_positions(batch, mini_batch_size: int, paths) -> tuple[int, int]:
     """(padded positions of the rests after the common prefix, summed over mini-batches of the batch in order;
     the positions that are tokens): what the forwards of the optimisation pay, at one epoch."""
     from agentrl.trainers.common import length_groups
@@ -35,11 +34,31 @@ def rest_positions(batch, mini_batch_size: int, min_saving: float | None) -> tup
         first = int((mask.float().argmax(-1) + 1).min())
         same = int((ids == ids[:1]).all(0).long().cumprod(0).sum())
         rest = mb.attention_mask.sum(-1) - min(same, first)
-        groups = length_groups(rest, min_saving) if min_saving is not None and len(rest) >= 4 else None
+        groups = length_groups(rest, paths.rest_min_saving, paths.rest_buckets, best=True) if len(rest) >= 4 else None
         groups = groups or [torch.arange(len(rest))]
         padded += sum(len(g) * int(rest[g].max()) for g in groups)
         real += int(rest.sum())
     return padded, real
+
+
+def decode_row_steps(episodes) -> tuple[int, int]:
+    """(row-steps the sampler paid, row-steps that sampled a kept token), over every turn of a batch: a turn runs
+    its live rows until the longest is done, so a row that stopped early is fed padding until then."""
+    paid = used = 0
+    turns: dict[int, list[int]] = {}
+    for ep in episodes:
+        runs, n = [], 0
+        for m in ep.loss_mask + [0]:
+            if m:
+                n += 1
+            elif n:
+                runs, n = runs + [n], 0
+        for t, length in enumerate(runs):
+            turns.setdefault(t, []).append(length)
+    for lengths in turns.values():
+        paid += len(lengths) * max(lengths)
+        used += sum(lengths)
+    return paid, used
 
 
 def main() -> None:
@@ -47,6 +66,8 @@ def main() -> None:
     parser.add_argument("--config", default="real")
     parser.add_argument("--batches", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--buckets", default="1,2", help="the variants: at most this many groups of rests (1: one "
+                        "forward), comma-separated")
     parser.add_argument("overrides", nargs="*", help="job config overrides key=value")
     args = parser.parse_args()
 
@@ -64,7 +85,7 @@ def main() -> None:
 
     sampling = rollout_sampling(config.rollout, config.ppo.temperature)
     generator = torch.Generator().manual_seed(args.seed)
-    batches, size = [], config.ppo.batch_size
+    batches, decode, size = [], [], config.ppo.batch_size
     for b in range(args.batches):
         started = time.perf_counter()
         with trainer.accelerator.autocast():
@@ -73,23 +94,25 @@ def main() -> None:
         batch = episodes_to_batch(episodes, run.tokenizer.pad_token_id, config.ppo.missing_eos_penalty)
         check_batch(episodes, batch)
         batches.append(batch)
+        decode.append(decode_row_steps(episodes))
         print(f"batch {b}: rollout {time.perf_counter() - started:.1f} s, sampled tokens per episode "
-              f"{[int(x) for x in batch.loss_mask.sum(-1)]}", flush=True)
+              f"{[int(x) for x in batch.loss_mask.sum(-1)]}, decode row-steps paid / used {decode[-1]}", flush=True)
 
     trained = [p for p in trainer.model.parameters() if p.requires_grad]
     start_weights = [p.detach().clone() for p in trained]
     start_optim = copy.deepcopy(trainer.optimizer.state_dict())
-    variants = {"one forward": None, "two groups": LogprobPaths.rest_min_saving}
+    variants = {f"{k} groups": LogprobPaths(rest_min_saving=2.0) if k == 1 else LogprobPaths(rest_buckets=k)
+                for k in map(int, args.buckets.split(","))}
     results = {name: {"wall": [], "cpu": [], "loss": [], "weights": []} for name in variants}
     trainer._update(batches[0])  # a warm-up (allocator, kernels), not timed; every update below starts afresh
     for b, batch in enumerate(batches):
-        order = list(variants.items()) if b % 2 == 0 else list(variants.items())[::-1]
-        for name, saving in order:
+        order = list(variants.items()) if b % 2 == 0 else list(variants.items())[::-1]  # each goes first once
+        for name, paths in order:
             with torch.no_grad():
                 for p, w in zip(trained, start_weights):
                     p.copy_(w)
             trainer.optimizer.load_state_dict(start_optim)
-            trainer.logprob_paths = LogprobPaths(rest_min_saving=2.0 if saving is None else saving)
+            trainer.logprob_paths = paths
             torch.manual_seed(args.seed + b)
             wall, cpu = time.perf_counter(), time.process_time()
             stats = trainer._update(batch)
@@ -99,18 +122,21 @@ def main() -> None:
             out["loss"].append(stats["ppo/loss/total"])
             out["weights"].append([p.detach().clone() for p in trained])
             print(f"batch {b} {name}: {out['wall'][-1]:.1f} s, loss {stats['ppo/loss/total']:.6f}", flush=True)
-    one, two = results["one forward"], results["two groups"]
+    first = results[next(iter(variants))]
     report = {
         name: {"wall_s": round(statistics.median(r["wall"]), 2), "cpu_s": round(statistics.median(r["cpu"]), 2),
                "wall_each": [round(x, 2) for x in r["wall"]],
-               "rest_positions_padded_real": [rest_positions(b, config.ppo.mini_batch_size, saving) for b in batches]}
-        for name, (saving, r) in zip(variants, ((s, results[n]) for n, s in variants.items()))
+               "rest_positions_padded_real": [rest_positions(b, config.ppo.mini_batch_size, variants[name])
+                                              for b in batches],
+               # against the first variant: rounding only, when the grouping is exact
+               "max_loss_diff": max(abs(a - b) for a, b in zip(first["loss"], r["loss"])),
+               "max_weight_diff": max(float((a - b).abs().max()) for wa, wb in zip(first["weights"], r["weights"])
+                                      for a, b in zip(wa, wb))}
+        for name, r in results.items()
     }
-    report["max_loss_diff"] = max(abs(a - b) for a, b in zip(one["loss"], two["loss"]))
-    report["max_weight_diff"] = max(float((a - b).abs().max()) for wa, wb in zip(one["weights"], two["weights"])
-                                    for a, b in zip(wa, wb))
-    report["max_weight_step"] = max(float((a - w).abs().max()) for wa in one["weights"]
+    report["max_weight_step"] = max(float((a - w).abs().max()) for wa in first["weights"]
                                     for a, w in zip(wa, start_weights))
+    report["decode_row_steps_paid_used"] = decode
     report["threads"] = torch.get_num_threads()
     print(json.dumps(report))
 

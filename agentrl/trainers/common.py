@@ -587,17 +587,18 @@ def shared_prefix_logprobs(model, batch: TokenBatch, temperature: float, with_en
 
 
 def rests_on_prefixes(model, kw, head, batch: TokenBatch, cache, rm, prefix_mask, last, first, rest, temperature,
-                      with_entropy, entropy_grad, value_head=None, rest_min_saving: float | None = None):
+                      with_entropy, entropy_grad, value_head=None, rest_min_saving: float | None = None,
+                      buckets: int = 2, best: bool = False):
     """The second part of the prefix-sharing paths: each row's rest on top of its prefix's KV (`cache` holds one
     entry per prefix, `rm` (B,) says which prefix each row has; `last` (B, H), `first` and `rest` (B,) are the
     rows' own). Rows whose rests differ in length (DPO's chosen and rejected, an agent's episodes of one turn and
     of three) run in two groups by rest length, each on its own copy of its rows' prefix caches, when that cuts the
     rest's padded positions by at least `rest_min_saving` (None: one forward): the same numbers per row, fewer
-    positions. Returns (logprobs, entropy or None, values or None), each (B, T-1)."""
+    positions. buckets, best: how the rows are grouped (length_groups). Returns (logprobs, entropy or None, values or None), each (B, T-1)."""
     from transformers import DynamicCache
 
     B = len(rm)
-    groups = length_groups(rest, rest_min_saving) if rest_min_saving is not None and B >= 4 else None
+    groups = length_groups(rest, rest_min_saving, buckets, best) if rest_min_saving is not None and B >= 4 else None
     if groups is None:  # one forward over every row's rest
         cache.batch_select_indices(rm)  # (U, ...) -> (B, ...): differentiable indexing of each layer's K and V
         return _rest_logprobs(model, kw, head, batch, torch.arange(B, device=rm.device), cache, prefix_mask[rm],
@@ -642,14 +643,14 @@ def _rest_logprobs(model, kw, head, batch: TokenBatch, rows, cache, prefix_mask,
 
 def common_prefix_logprobs(model, batch: TokenBatch, temperature: float, with_entropy: bool = False,
                            entropy_grad: bool = False, value_head: torch.nn.Module | None = None,
-                           min_saving: float = 0.25, rest_min_saving: float | None = None):
+                           min_saving: float = 0.25, rest_min_saving: float | None = None, rest_buckets: int = 2):
     """`response_logprobs` for a batch whose rows all begin with the same tokens: an agent's episodes share the
     system message, the tool schemas and the chat markers, often most of each row (a chat-template prompt with
     one tool is ~190 of ~220 tokens). That common prefix runs once as a batch of one, its KV cache is expanded
     to every row, and only the rest of each row runs on top of it. The same maths as one forward over the whole
     rows (gradients reach the prefix through the cache). value_head: PPO's, read on the same hidden states.
-    rest_min_saving: the rests run in two groups by length when that saves this much (rests_on_prefixes; None:
-    one forward).
+    rest_min_saving, rest_buckets: the rests run in up to `rest_buckets` groups by length, cut where they pad
+    least, when that saves this fraction of their positions (rests_on_prefixes; None: one forward).
 
     Returns (logprobs, entropy or None, values or None), each (B, T-1), or None when the prefix would save less
     than `min_saving` of the batch's positions, a row has no sampled token, or the model's head cannot be split
@@ -684,7 +685,7 @@ def common_prefix_logprobs(model, batch: TokenBatch, temperature: float, with_en
     last = out.hidden_states[-1][:, -1].expand(B, -1)  # (B, H): predicts each row's token P
     return rests_on_prefixes(model, kw, head, batch, cache, torch.zeros(B, dtype=torch.long, device=device),
                              prefix_mask, last, torch.full((B,), P, device=device), lengths - P, temperature,
-                             with_entropy, entropy_grad, value_head, rest_min_saving)
+                             with_entropy, entropy_grad, value_head, rest_min_saving, rest_buckets, best=True)
 
 
 def prefix_groups(batch: TokenBatch) -> list[tuple[torch.Tensor, int]]:
@@ -736,26 +737,57 @@ class LogprobPaths:
       least this fraction (above 1: never).
     rest_min_saving: the same for the rests after a shared prefix (rests_on_prefixes). Lower than
       bucket_min_saving: the prefix is not run again for the second group.
+    rest_buckets: how many groups PPO's rests after the batch's common prefix may run in (common_prefix_logprobs);
+      GRPO's and DPO's run in two of equal size.
     """
 
     response_only: bool = True
     shared_prefix: bool = True
     bucket_min_saving: float = 0.25
     rest_min_saving: float = 0.1
+    rest_buckets: int = 3
 
 
 FAST = LogprobPaths()
 
 
-def length_groups(lengths: torch.Tensor, min_saving: float, buckets: int = 2) -> list[torch.Tensor] | None:
+def length_groups(lengths: torch.Tensor, min_saving: float, buckets: int = 2,
+                  best: bool = False) -> list[torch.Tensor] | None:
     """Row indices in `buckets` groups of similar `lengths` (shortest first), or None when padding each group
-    to its own longest row would not cut the padded positions by at least `min_saving`."""
+    to its own longest row would not cut the padded positions by at least `min_saving`. The groups hold equal
+    numbers of rows, or with `best` the cut of the sorted rows into at most `buckets` runs with the fewest padded
+    positions (an agent's batch of many short episodes and a few long ones: the long ones alone)."""
     order = torch.argsort(lengths)
-    groups = [g for g in torch.tensor_split(order, buckets) if len(g)]
+    if best:
+        groups = [order[a:b] for a, b in fewest_padded_runs(lengths[order].tolist(), buckets)]
+    else:
+        groups = [g for g in torch.tensor_split(order, buckets) if len(g)]
     padded = lengths.numel() * int(lengths.max())
     if len(groups) < 2 or sum(len(g) * int(lengths[g].max()) for g in groups) > (1 - min_saving) * padded:
         return None
     return groups
+
+
+def fewest_padded_runs(lengths: list[int], most: int) -> list[tuple[int, int]]:
+    """The cut of ascending `lengths` into at most `most` runs [(start, end)] that minimises the sum over runs of
+    len(run) x its last (longest) length: a small dynamic programme, O(most x n^2) for n rows."""
+    n = len(lengths)
+    inf = float("inf")
+    cost = [[inf] * (n + 1) for _ in range(most + 1)]  # cost[k][j]: the first j rows in k runs
+    cut = [[0] * (n + 1) for _ in range(most + 1)]
+    cost[0][0] = 0
+    for k in range(1, most + 1):
+        for j in range(1, n + 1):
+            for i in range(k - 1, j):  # the last run is rows i..j-1
+                c = cost[k - 1][i] + (j - i) * lengths[j - 1]
+                if c < cost[k][j]:
+                    cost[k][j], cut[k][j] = c, i
+    k = min(range(1, most + 1), key=lambda k: (cost[k][n], k))  # fewer runs on a tie
+    runs, j = [], n
+    while k:
+        runs.append((cut[k][j], j))
+        j, k = cut[k][j], k - 1
+    return runs[::-1]
 
 
 def by_length(forward, batch: TokenBatch, buckets: int = 2, min_saving: float = FAST.bucket_min_saving):

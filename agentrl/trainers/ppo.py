@@ -379,7 +379,8 @@ class PPOTrainer:
         if fast is not None and self.config.share_prompt_prefix:
             out = common_prefix_logprobs(fast[0], batch, self.config.temperature, with_entropy=True,
                                          entropy_grad=entropy_grad, value_head=fast[1],
-                                         rest_min_saving=self.logprob_paths.rest_min_saving)
+                                         rest_min_saving=self.logprob_paths.rest_min_saving,
+                                         rest_buckets=self.logprob_paths.rest_buckets)
             if out is not None:
                 return out[0], out[2], out[1], None
         if fast is not None:
@@ -400,7 +401,8 @@ class PPOTrainer:
             out = None
             if self._fast_lm() and self.config.share_prompt_prefix:
                 out = common_prefix_logprobs(ref_lm, batch, self.config.temperature,
-                                             rest_min_saving=self.logprob_paths.rest_min_saving)
+                                             rest_min_saving=self.logprob_paths.rest_min_saving,
+                                         rest_buckets=self.logprob_paths.rest_buckets)
             if out is None and self._fast_lm():
                 out = response_logprobs(ref_lm, batch, self.config.temperature)
             return out[0] if out is not None else lm_logprobs(ref_lm, batch, self.config.temperature)

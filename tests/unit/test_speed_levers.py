@@ -87,14 +87,16 @@ AGENT_ROWS = [(S + [20, 21] + [8, 9, 10, 3], [0] * 8 + [1, 1, 0, 1], []), (S + [
               (S + [23, 24, 25] + [40, 41, 42, 43], [0] * 9 + [1, 1, 1, 1], []), (S + [20, 26] + [50], [0] * 8 + [1], [])]
 
 
-@pytest.mark.parametrize("grouped", [False, True])
-def test_common_prefix_logprobs_match_the_full_forward(monkeypatch, grouped):
+@pytest.mark.parametrize("buckets,calls", [(None, [4]), (2, [2, 2]), (3, [2, 1, 1])])
+def test_common_prefix_logprobs_match_the_full_forward(monkeypatch, buckets, calls):
     """The prompt's common prefix runs once for the whole batch: same logprobs, entropy, values and gradients;
-    also with the rests run in two groups by length (rests of 3, 3, 6, 7 tokens: 20 padded positions, not 28)."""
+    also with the rests run in groups by length (rests of 3, 3, 6, 7 tokens: 28 padded positions in one forward,
+    20 in two groups, 19 in three)."""
     from agentrl.models.value_head import AutoModelForCausalLMWithValueHead
 
-    calls = []
-    monkeypatch.setattr(common, "_rest_logprobs", lambda *a, **k: calls.append(len(a[4])) or rest_logprobs(*a, **k))
+    rows_per_forward = []
+    monkeypatch.setattr(common, "_rest_logprobs",
+                        lambda *a, **k: rows_per_forward.append(len(a[4])) or rest_logprobs(*a, **k))
     model = AutoModelForCausalLMWithValueHead(tiny_lora(), v_head_init_std=0.1).eval()
     lm, batch = model.pretrained_model, build_batch(AGENT_ROWS, 0)
 
@@ -107,8 +109,9 @@ def test_common_prefix_logprobs_match_the_full_forward(monkeypatch, grouped):
 
     shared = run(lambda: common_prefix_logprobs(lm, batch, 0.7, with_entropy=True, entropy_grad=True,
                                                 value_head=model.v_head, min_saving=0.1,
-                                                rest_min_saving=0.2 if grouped else None))
-    assert calls == ([2, 2] if grouped else [4])  # rows per forward of the rests
+                                                rest_min_saving=None if buckets is None else 0.2,
+                                                rest_buckets=buckets or 2))
+    assert rows_per_forward == calls
     plain = run(lambda: response_logprobs(lm, batch, 0.7, with_entropy=True, entropy_grad=True,
                                           value_head=model.v_head))
     assert all(torch.allclose(a, b, atol=2e-6) for a, b in zip(shared[0], plain[0]))
@@ -116,6 +119,18 @@ def test_common_prefix_logprobs_match_the_full_forward(monkeypatch, grouped):
     assert torch.allclose(shared[0][0], reference(lm, batch, 0.7)[0], atol=2e-6)
     # Too little in common (3 rows x 6 shared tokens: 18 of 43 positions, < 50%): no shortcut.
     assert common_prefix_logprobs(lm, batch, 0.7, min_saving=0.5) is None
+
+
+@pytest.mark.parametrize("lengths,most,runs", [
+    ([3, 3, 6, 7], 2, [(0, 2), (2, 4)]),
+    ([3, 3, 6, 7], 3, [(0, 2), (2, 3), (3, 4)]),
+    ([11, 12, 12, 13, 15, 50, 100, 144], 3, [(0, 5), (5, 6), (6, 8)]),  # many short episodes, a few long:
+    ([11, 12, 12, 13, 15, 50, 100, 144], 2, [(0, 5), (5, 8)]),  # 413 and 507 padded positions, against 1152
+    ([5, 5, 5], 3, [(0, 3)]),  # equal lengths: one run (fewer runs on a tie)
+    ([4], 2, [(0, 1)]),
+])
+def test_fewest_padded_runs_cuts_where_padding_is_least(lengths, most, runs):
+    assert common.fewest_padded_runs(lengths, most) == runs
 
 
 def test_masked_logprobs_falls_back_when_the_head_cannot_be_split(monkeypatch):
