@@ -77,6 +77,9 @@ class RolloutSection:
     share_prefix: bool = False  # prefill the tokens every prompt begins with (system message, tool schemas) once
     # and copy their KV cache to each episode, in training rollouts and evaluation (rollout/sampling.py); the
     # same numbers up to float rounding, so seeded runs sample differently with it on
+    compact: bool = False  # rows whose turn has ended leave the decoding batch instead of waiting on padding for
+    # the longest (rollout/sampling.py), in training rollouts and evaluation; the same draws, but seeded runs sample
+    # differently with it on (the smaller batch's products round differently)
 
 
 def resolve_config_path(name: str) -> Path:
@@ -200,6 +203,7 @@ class Run:
     max_context: int | None = None  # rollout.max_context
     max_observation_tokens: int | None = None  # rollout.max_observation_tokens
     share_prefix: bool = False  # rollout.share_prefix
+    compact: bool = False  # rollout.compact
 
     def evaluate_both(self, model, temperature: float, mixed_precision: str = "no") -> dict:
         """Greedy and sampled metrics on the same held-out tasks and seed (under bf16 autocast with the training's
@@ -208,7 +212,7 @@ class Run:
 
         kw = {"max_new_tokens": self.max_new_tokens, "seed": self.eval_seed, "mixed_precision": mixed_precision,
               "max_context": self.max_context, "max_observation_tokens": self.max_observation_tokens,
-              "share_prefix": self.share_prefix}
+              "share_prefix": self.share_prefix, "compact": self.compact}
         return {"greedy": evaluate(model, self.tokenizer, self.env_factory, self.eval_tasks, True, **kw),
                 "sampled": evaluate(model, self.tokenizer, self.env_factory, self.eval_tasks, False, temperature, **kw)}
 
@@ -225,8 +229,9 @@ def eval_key(env_cfg: EnvSection, eval_seed: int, rollout_cfg: RolloutSection, t
     """What a held-out evaluation depends on besides the weights (the rollout's lengths and budgets included)."""
     env = {k: v for k, v in to_dict(env_cfg).items() if k not in ("demonstrations", "train_tasks", "step_timeout")}
     lengths = {k: getattr(rollout_cfg, k) for k in ("max_new_tokens", "max_context", "max_observation_tokens")}
-    if rollout_cfg.share_prefix:  # only when on: the keys of evaluations stored without it stay valid
-        lengths["share_prefix"] = True
+    for switch in ("share_prefix", "compact"):  # only when on: the keys of evaluations stored without it stay valid
+        if getattr(rollout_cfg, switch):
+            lengths[switch] = True
     return {"env": env, "eval_seed": eval_seed, **lengths, "temperature": temperature,
             "mixed_precision": mixed_precision}
 
@@ -330,7 +335,8 @@ def prepare_run(model_cfg: ModelSection, env_cfg: EnvSection, rollout_cfg: Rollo
             raise ConfigError(f"model.base: {e}") from None
     model, tokenizer = load_base(base_dir, model_cfg)
     return Run(base_dir, model, tokenizer, env_factory, eval_tasks, rollout_cfg.max_new_tokens, eval_seed,
-               rollout_cfg.max_context, rollout_cfg.max_observation_tokens, rollout_cfg.share_prefix)
+               rollout_cfg.max_context, rollout_cfg.max_observation_tokens, rollout_cfg.share_prefix,
+               rollout_cfg.compact)
 
 
 def norm_module_names(model, which: bool | str = True) -> list[str]:
@@ -455,4 +461,4 @@ def rollout_sampling(rollout_cfg: RolloutSection, temperature: float):
     return SamplingParams(max_new_tokens=rollout_cfg.max_new_tokens, temperature=temperature,
                           top_k=rollout_cfg.top_k, top_p=rollout_cfg.top_p, max_context=rollout_cfg.max_context,
                           max_observation_tokens=rollout_cfg.max_observation_tokens,
-                          share_prefix=rollout_cfg.share_prefix)
+                          share_prefix=rollout_cfg.share_prefix, compact=rollout_cfg.compact)

@@ -21,7 +21,8 @@ SUMMARY_KEYS = ("accuracy", "tool_call_rate", "mean_score", "format_error_rate",
 def evaluate(model, tokenizer, env_factory: Callable, tasks: list[dict], greedy: bool = True,
              temperature: float = 1.0, max_new_tokens: int = 48, seed: int = 0,
              mixed_precision: str = "no", max_context: int | None = None,
-             max_observation_tokens: int | None = None, share_prefix: bool = False) -> dict[str, float]:
+             max_observation_tokens: int | None = None, share_prefix: bool = False,
+             compact: bool = False) -> dict[str, float]:
     """Metrics of one episode per task: greedy decoding by default, else sampling at `temperature`.
 
     Several processes: each rolls out its contiguous share of the tasks (sampling with seed `seed + rank`), and
@@ -34,7 +35,7 @@ def evaluate(model, tokenizer, env_factory: Callable, tasks: list[dict], greedy:
     model.eval()
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=not greedy,
                             max_context=max_context, max_observation_tokens=max_observation_tokens,
-                            share_prefix=share_prefix)
+                            share_prefix=share_prefix, compact=compact)
     state = partial_state()
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed + state.process_index)
     device_type = next(model.parameters()).device.type

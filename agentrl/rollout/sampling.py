@@ -39,6 +39,11 @@ class SamplingParams:
     # KV cache copied to each row, as vLLM's prefix caching does. The same numbers up to float rounding, which is
     # enough to change what a seeded run samples, so it is off unless asked for (rollout.share_prefix).
     share_prefix: bool = False
+    # Rows whose turn has ended leave the decoding batch (once a quarter of it has), instead of being fed padding
+    # until the longest row of the batch is done: an agent's batch of short answers and a few long tool calls pays
+    # for the long ones alone. The random draws stay those of the full batch (sample_rows), but the smaller batch's
+    # products round differently, so seeded runs sample differently with it on (rollout.compact).
+    compact: bool = False
 
 
 @dataclass
@@ -239,7 +244,9 @@ def sample_batch(
     cache, attention_mask, positions, last_logits, last_hidden = _prefill(model, contexts, pad_token_id, kv, extra,
                                                                           params.share_prefix)
     samples = [Sample([], [], "length", [] if value_head is not None else None) for _ in contexts]
-    active = torch.ones(len(contexts), dtype=torch.bool, device=device)
+    rows = list(range(len(contexts)))  # the context of each row of the decoding batch (all, unless params.compact)
+    active = torch.ones(len(contexts), dtype=torch.bool, device=device)  # per row of the batch: still sampling
+    parked: dict[int, tuple] = {}  # context -> its KV and mask, for rows that left the batch (params.compact)
     cache_kw = cache_kwarg(model)
     next_pos = positions[:, -1:] + 1
     for n_new in range(params.max_new_tokens):
@@ -254,7 +261,10 @@ def sample_batch(
             shaped = logits
             for w in warpers:
                 shaped = w(None, shaped)
-            tokens = torch.multinomial(torch.softmax(shaped, -1), 1, generator=generator).squeeze(-1)
+            if params.compact:
+                tokens = sample_rows(torch.softmax(shaped, -1), rows, len(contexts), generator)
+            else:
+                tokens = torch.multinomial(torch.softmax(shaped, -1), 1, generator=generator).squeeze(-1)
         else:
             tokens = logits.argmax(-1)
         token_logprobs = logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
@@ -262,17 +272,27 @@ def sample_batch(
         token_list, logprob_list = tokens.tolist(), token_logprobs.tolist()
         if value_head is not None:  # (B,) values of the positions that predict these tokens
             value_list = value_head(last_hidden.to(value_head.summary.weight.device)).float().tolist()
-        for i in torch.nonzero(active).flatten().tolist():
+        for j in torch.nonzero(active).flatten().tolist():
+            i = rows[j]
             s = samples[i]
-            s.ids.append(token_list[i])
-            s.logprobs.append(logprob_list[i])
+            s.ids.append(token_list[j])
+            s.logprobs.append(logprob_list[j])
             if value_head is not None:
-                s.values.append(value_list[i])
+                s.values.append(value_list[j])
             s.finish = _finish(s.ids, eos_token_id, compiled, tokenizer, None if room is None else room[i])
-            active[i] = s.finish is None
+            active[j] = s.finish is None
             s.finish = s.finish or "length"
         if not active.any() or n_new == params.max_new_tokens - 1:  # the last tokens are not fed: nothing reads it
             break
+        if params.compact and int(active.sum()) <= COMPACT_BELOW * len(rows):
+            keep = torch.nonzero(active).flatten()
+            if kv is not None:  # the next turn runs on every row's cache: keep the leavers' aside
+                for j in torch.nonzero(~active).flatten().tolist():
+                    parked[rows[j]] = ([(layer.keys[j], layer.values[j]) for layer in cache.layers], attention_mask[j])
+            cache.batch_select_indices(keep)
+            rows = [rows[j] for j in keep.tolist()]
+            attention_mask, next_pos, tokens, active = attention_mask[keep], next_pos[keep], tokens[keep], active[keep]
+            last_hidden = last_hidden[keep] if last_hidden is not None else None
         tokens = torch.where(active, tokens, torch.full_like(tokens, pad_token_id))
         attention_mask = torch.cat([attention_mask, active.long()[:, None]], dim=1)
         out = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_pos,
@@ -281,5 +301,41 @@ def sample_batch(
         next_pos = next_pos + 1
     if kv is not None:  # a model that keeps no cache in it (a scripted test policy) re-prefills every turn
         filled = cache.get_seq_length() == attention_mask.shape[1]
+        if filled and parked:
+            cache, attention_mask = _unpark(cache, attention_mask, rows, parked)
         kv.cache, kv.attention_mask = (cache, attention_mask) if filled else (None, None)
     return samples
+
+
+# params.compact: the decoding batch sheds its finished rows once this share of them or fewer still sample (each
+# shedding copies the KV cache, so not at every finished row).
+COMPACT_BELOW = 0.75
+
+
+def sample_rows(probs: torch.Tensor, rows: list[int], n: int, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of `probs` (R, V), for contexts `rows` of a batch of `n`: argmax(probs / E) with E
+    exponential noise drawn for all n contexts and read at `rows`, so each context gets the random numbers it gets
+    in the full batch, whichever rows have left it (torch.multinomial draws one token per row the same way)."""
+    noise = torch.empty((n, probs.shape[-1]), dtype=probs.dtype, device=probs.device).exponential_(generator=generator)
+    return (probs / noise[torch.tensor(rows, device=probs.device)]).argmax(-1)
+
+
+def _unpark(cache: DynamicCache, attention_mask: torch.Tensor, rows: list[int], parked: dict[int, tuple]):
+    """The decoding batch's cache and mask with the rows that left it put back, in context order: a row that
+    left early is padded on the right with zeros under mask 0, as the rows that wait are while others sample."""
+    n, width = len(rows) + len(parked), attention_mask.shape[1]
+    order = rows + sorted(parked)
+    layers = []
+    for li, layer in enumerate(cache.layers):
+        keys, values = [layer.keys], [layer.values]
+        for i in sorted(parked):
+            k, v = parked[i][0][li]
+            pad = (0, 0, 0, width - k.shape[-2])  # (heads, length, dim): zeros after its last position
+            keys.append(torch.nn.functional.pad(k, pad)[None])
+            values.append(torch.nn.functional.pad(v, pad)[None])
+        layers.append((torch.cat(keys), torch.cat(values)))
+    masks = [attention_mask] + [torch.nn.functional.pad(parked[i][1], (0, width - parked[i][1].shape[0]))[None]
+                                for i in sorted(parked)]
+    back = torch.tensor(sorted(range(n), key=lambda r: order[r]), device=attention_mask.device)  # context order
+    full = DynamicCache(ddp_cache_data=[(k[back], v[back]) for k, v in layers])
+    return full, torch.cat(masks)[back]

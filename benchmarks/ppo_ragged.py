@@ -1,14 +1,17 @@
-"""One PPO update on real rollouts, with the rests after the shared prompt in one padded forward or in groups by
-length (LogprobPaths.rest_min_saving, rest_buckets), A/B in one process from the same weights.
+"""Two levers for an agent's ragged batches (many short episodes, a few long), A/B in one process on the job's own
+model, LoRA, environment and sampling: the rollout with and without rollout.compact (finished rows leave the
+decoding batch), and one PPO update with the rests after the shared prompt in one padded forward or in groups by
+length (LogprobPaths.rest_min_saving, rest_buckets).
 
-    python benchmarks/ppo_rest_groups.py --buckets 1,2,3 model.base=runs/real-sft/model [other job overrides]
+    python benchmarks/ppo_ragged.py --buckets 1,2,3 model.base=runs/real-sft/model [other job overrides]
 
-Rolls out `--batches` batches of the job's ppo.batch_size episodes with the job's own model, LoRA, environment and
-sampling, then runs each batch's `_update` once per variant, alternating, each time from the same adapter, value
-head and optimizer state and the same torch RNG, after one untimed warm-up update (every other batch runs the
-variants in reverse order). Prints one JSON line: per variant the median wall and CPU seconds of an update, the padded rest positions of the mini-batches in row order, and the largest difference from the
-first variant's loss and updated weights (rounding only, when the grouping is exact). Run it under OMP_NUM_THREADS=1
-and nothing else on the machine.
+Rolls out `--batches` batches of ppo.batch_size episodes twice each, plain and compact, from the same generator
+state (the order alternating), and counts the episodes that came out the same. Then it runs each plain batch's
+`_update` once per variant, each time from the same adapter, value head and optimizer state and the same torch
+RNG, after one untimed warm-up update (every other batch runs the variants in reverse order). Prints one JSON
+line: the rollout seconds, and per variant the median wall and CPU seconds of an update, the padded rest positions
+of the mini-batches in row order, and the largest difference from the first variant's loss and updated weights
+(rounding only, when the grouping is exact). Run it under OMP_NUM_THREADS=1 and nothing else on the machine.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import copy
 import json
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -66,7 +70,7 @@ def main() -> None:
     parser.add_argument("--config", default="real")
     parser.add_argument("--batches", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--buckets", default="1,2", help="the variants: at most this many groups of rests (1: one "
+    parser.add_argument("--buckets", default="1,3", help="the variants: at most this many groups of rests (1: one "
                         "forward), comma-separated")
     parser.add_argument("overrides", nargs="*", help="job config overrides key=value")
     args = parser.parse_args()
@@ -86,17 +90,27 @@ def main() -> None:
     sampling = rollout_sampling(config.rollout, config.ppo.temperature)
     generator = torch.Generator().manual_seed(args.seed)
     batches, decode, size = [], [], config.ppo.batch_size
+    rollout_s: dict[str, list[float]] = {"plain": [], "compact": []}
+    same = 0
     for b in range(args.batches):
-        started = time.perf_counter()
-        with trainer.accelerator.autocast():
-            episodes = rollout(trainer.policy, run.tokenizer, run.env_factory, tasks[b * size:(b + 1) * size],
-                               sampling, generator=generator, value_head=trainer._rollout_value_head)
+        state, rolled = generator.get_state(), {}
+        for compact in ((False, True) if b % 2 == 0 else (True, False)):
+            generator.set_state(state)
+            started = time.perf_counter()
+            with trainer.accelerator.autocast():
+                rolled[compact] = rollout(trainer.policy, run.tokenizer, run.env_factory,
+                                          tasks[b * size:(b + 1) * size], replace(sampling, compact=compact),
+                                          generator=generator, value_head=trainer._rollout_value_head)
+            rollout_s["compact" if compact else "plain"].append(time.perf_counter() - started)
+        episodes = rolled[False]
+        same += sum(a.token_ids == c.token_ids for a, c in zip(episodes, rolled[True]))
         batch = episodes_to_batch(episodes, run.tokenizer.pad_token_id, config.ppo.missing_eos_penalty)
         check_batch(episodes, batch)
         batches.append(batch)
         decode.append(decode_row_steps(episodes))
-        print(f"batch {b}: rollout {time.perf_counter() - started:.1f} s, sampled tokens per episode "
-              f"{[int(x) for x in batch.loss_mask.sum(-1)]}, decode row-steps paid / used {decode[-1]}", flush=True)
+        print(f"batch {b}: rollout plain {rollout_s['plain'][-1]:.1f} s, compact {rollout_s['compact'][-1]:.1f} s; "
+              f"sampled tokens per episode {[int(x) for x in batch.loss_mask.sum(-1)]}, decode row-steps paid / "
+              f"used {decode[-1]}", flush=True)
 
     trained = [p for p in trainer.model.parameters() if p.requires_grad]
     start_weights = [p.detach().clone() for p in trained]
@@ -137,6 +151,8 @@ def main() -> None:
     report["max_weight_step"] = max(float((a - w).abs().max()) for wa in first["weights"]
                                     for a, w in zip(wa, start_weights))
     report["decode_row_steps_paid_used"] = decode
+    report["rollout_s"] = {k: [round(x, 2) for x in v] for k, v in rollout_s.items()}
+    report["compact_same_episodes"] = f"{same} of {args.batches * size}"
     report["threads"] = torch.get_num_threads()
     print(json.dumps(report))
 
