@@ -643,7 +643,7 @@ def _rest_logprobs(model, kw, head, batch: TokenBatch, rows, cache, prefix_mask,
 
 def common_prefix_logprobs(model, batch: TokenBatch, temperature: float, with_entropy: bool = False,
                            entropy_grad: bool = False, value_head: torch.nn.Module | None = None,
-                           min_saving: float = 0.25, rest_min_saving: float | None = None, rest_buckets: int = 2):
+                           min_saving: float = 0.25, rest_min_saving: float | None = None, rest_buckets: int = 3):
     """`response_logprobs` for a batch whose rows all begin with the same tokens: an agent's episodes share the
     system message, the tool schemas and the chat markers, often most of each row (a chat-template prompt with
     one tool is ~190 of ~220 tokens). That common prefix runs once as a batch of one, its KV cache is expanded
