@@ -68,8 +68,7 @@ def run_one(task: str, method: str, seed: int, steps: int, eval_every: int, eval
     def held_out_accuracy(step: int) -> None:
         t0, c0 = time.time(), cpu_seconds()
         rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
-        kw = {"temperature": algo_config.temperature, "max_new_tokens": run.max_new_tokens, "seed": config.eval_seed,
-              "share_prefix": run.share_prefix}
+        kw = {**run.eval_kwargs(), "temperature": algo_config.temperature}
         m = evaluate(trainer.policy, run.tokenizer, run.env_factory, held_out, greedy=False, **kw)
         g = evaluate(trainer.policy, run.tokenizer, run.env_factory, held_out, greedy=True, **kw)
         torch.set_rng_state(rng[0]), random.setstate(rng[1]), np.random.set_state(rng[2])

@@ -198,21 +198,22 @@ class Run:
     tokenizer: object
     env_factory: object
     eval_tasks: list[dict]
-    max_new_tokens: int
     eval_seed: int
-    max_context: int | None = None  # rollout.max_context
-    max_observation_tokens: int | None = None  # rollout.max_observation_tokens
-    share_prefix: bool = False  # rollout.share_prefix
-    compact: bool = False  # rollout.compact
+    rollout: RolloutSection = field(default_factory=RolloutSection)  # evaluation's lengths, budgets, sampler
+
+    def eval_kwargs(self) -> dict:
+        """evaluate()'s arguments that the rollout section and the evaluation seed decide."""
+        r = self.rollout
+        return {"max_new_tokens": r.max_new_tokens, "seed": self.eval_seed, "max_context": r.max_context,
+                "max_observation_tokens": r.max_observation_tokens, "share_prefix": r.share_prefix,
+                "compact": r.compact}
 
     def evaluate_both(self, model, temperature: float, mixed_precision: str = "no") -> dict:
         """Greedy and sampled metrics on the same held-out tasks and seed (under bf16 autocast with the training's
         mixed_precision "bf16": evaluation samples at the precision the policy trained at)."""
         from agentrl.jobs.evaluate import evaluate
 
-        kw = {"max_new_tokens": self.max_new_tokens, "seed": self.eval_seed, "mixed_precision": mixed_precision,
-              "max_context": self.max_context, "max_observation_tokens": self.max_observation_tokens,
-              "share_prefix": self.share_prefix, "compact": self.compact}
+        kw = {**self.eval_kwargs(), "mixed_precision": mixed_precision}
         return {"greedy": evaluate(model, self.tokenizer, self.env_factory, self.eval_tasks, True, **kw),
                 "sampled": evaluate(model, self.tokenizer, self.env_factory, self.eval_tasks, False, temperature, **kw)}
 
@@ -334,9 +335,7 @@ def prepare_run(model_cfg: ModelSection, env_cfg: EnvSection, rollout_cfg: Rollo
         except UserError as e:
             raise ConfigError(f"model.base: {e}") from None
     model, tokenizer = load_base(base_dir, model_cfg)
-    return Run(base_dir, model, tokenizer, env_factory, eval_tasks, rollout_cfg.max_new_tokens, eval_seed,
-               rollout_cfg.max_context, rollout_cfg.max_observation_tokens, rollout_cfg.share_prefix,
-               rollout_cfg.compact)
+    return Run(base_dir, model, tokenizer, env_factory, eval_tasks, eval_seed, rollout_cfg)
 
 
 def norm_module_names(model, which: bool | str = True) -> list[str]:

@@ -139,8 +139,7 @@ def _sft_job(config: SFTJobConfig) -> dict:
                    "train_seconds": round(time.time() - train_started, 1)}
     model, tokenizer = load_base(str(model_dir))
     retention = retention_after(retention, out, fingerprint, model)
-    run = Run(str(model_dir), model, tokenizer, env_factory, eval_tasks, config.rollout.max_new_tokens, config.eval_seed,
-              config.rollout.max_context, config.rollout.max_observation_tokens, config.rollout.share_prefix)
+    run = Run(str(model_dir), model, tokenizer, env_factory, eval_tasks, config.eval_seed, config.rollout)
     after = run.evaluate_both(model, config.eval_temperature, config.eval_precision)
     store_eval(str(model_dir), eval_key(config.env, config.eval_seed, config.rollout, config.eval_temperature,
                                         config.eval_precision), after)

@@ -756,10 +756,11 @@ def length_groups(lengths: torch.Tensor, min_saving: float, buckets: int = 2,
     """Row indices in `buckets` groups of similar `lengths` (shortest first), or None when padding each group
     to its own longest row would not cut the padded positions by at least `min_saving`. The groups hold equal
     numbers of rows, or with `best` the cut of the sorted rows into at most `buckets` runs with the fewest padded
-    positions (an agent's batch of many short episodes and a few long ones: the long ones alone)."""
+    positions (an agent's batch of many short episodes and a few long ones: the long ones alone), each run after
+    the first saving `min_saving` more."""
     order = torch.argsort(lengths)
     if best:
-        groups = [order[a:b] for a, b in fewest_padded_runs(lengths[order].tolist(), buckets)]
+        groups = [order[a:b] for a, b in fewest_padded_runs(lengths[order].tolist(), buckets, min_saving)]
     else:
         groups = [g for g in torch.tensor_split(order, buckets) if len(g)]
     padded = lengths.numel() * int(lengths.max())
@@ -768,9 +769,11 @@ def length_groups(lengths: torch.Tensor, min_saving: float, buckets: int = 2,
     return groups
 
 
-def fewest_padded_runs(lengths: list[int], most: int) -> list[tuple[int, int]]:
+def fewest_padded_runs(lengths: list[int], most: int, min_gain: float = 0.0) -> list[tuple[int, int]]:
     """The cut of ascending `lengths` into at most `most` runs [(start, end)] that minimises the sum over runs of
-    len(run) x its last (longest) length: a small dynamic programme, O(most x n^2) for n rows."""
+    len(run) x its last (longest) length: a small dynamic programme, O(most x n^2) for n rows. Each run costs a
+    forward of its own, so one more run is taken only while it cuts the padded positions by at least `min_gain`
+    (a fraction) against one fewer."""
     n = len(lengths)
     inf = float("inf")
     cost = [[inf] * (n + 1) for _ in range(most + 1)]  # cost[k][j]: the first j rows in k runs
@@ -782,7 +785,9 @@ def fewest_padded_runs(lengths: list[int], most: int) -> list[tuple[int, int]]:
                 c = cost[k - 1][i] + (j - i) * lengths[j - 1]
                 if c < cost[k][j]:
                     cost[k][j], cut[k][j] = c, i
-    k = min(range(1, most + 1), key=lambda k: (cost[k][n], k))  # fewer runs on a tie
+    k = 1
+    while k < min(most, n) and cost[k + 1][n] < (1 - min_gain) * cost[k][n] and cost[k + 1][n] < cost[k][n]:
+        k += 1
     runs, j = [], n
     while k:
         runs.append((cut[k][j], j))

@@ -267,13 +267,17 @@ def sft_loss(model, batch: dict[str, torch.Tensor], share_prefix: bool = False) 
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets[:, keep].flatten(), ignore_index=-100)
 
 
-def shared_prefix_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+def shared_prefix_loss(model, batch: dict[str, torch.Tensor], paths=None) -> torch.Tensor | None:
     """sft_loss with each group of rows that share a prefix (prefix_groups: an agent's demonstrations share the
     system message and the tool schemas, most of each row) running that prefix once, as a batch of one whose KV
-    cache every row of the group continues (common_prefix_logprobs; gradients reach the prefix through the cache).
-    Rows that share nothing worth it run as one more batch. None where the model cannot take this path (gradient
-    checkpointing keeps no cache; a head that cannot be split off): then the plain forward."""
-    from agentrl.trainers.common import TokenBatch, common_prefix_logprobs, prefix_groups, response_logprobs
+    cache every row of the group continues (common_prefix_logprobs; gradients reach the prefix through the cache),
+    the rests in groups by length where they differ (a demonstration that calls a tool is longer than one that
+    answers at once). Rows that share nothing worth it run as one more batch. None where the model cannot take this path (gradient
+    checkpointing keeps no cache; a head that cannot be split off): then the plain forward. paths: the rest
+    groups' settings (a LogprobPaths; None: the default)."""
+    from agentrl.trainers.common import FAST, TokenBatch, common_prefix_logprobs, prefix_groups, response_logprobs
+
+    paths = paths or FAST
 
     checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers 5 (is_gradient_... before)
     if checkpointing if checkpointing is not None else getattr(model, "is_gradient_checkpointing", False):
@@ -283,7 +287,8 @@ def shared_prefix_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor | 
     summed, alone = [], []  # summed: each part's total logprob of its trained tokens
     for rows, prefix in prefix_groups(tokens):
         part = tokens.select(rows)
-        out = common_prefix_logprobs(model, part, 1.0, min_saving=0.0) if prefix >= 2 else None
+        out = (common_prefix_logprobs(model, part, 1.0, min_saving=0.0, rest_min_saving=paths.rest_min_saving,
+                                      rest_buckets=paths.rest_buckets) if prefix >= 2 else None)
         if out is None:
             alone.append(rows)
         else:

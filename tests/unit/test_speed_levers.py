@@ -87,11 +87,12 @@ AGENT_ROWS = [(S + [20, 21] + [8, 9, 10, 3], [0] * 8 + [1, 1, 0, 1], []), (S + [
               (S + [23, 24, 25] + [40, 41, 42, 43], [0] * 9 + [1, 1, 1, 1], []), (S + [20, 26] + [50], [0] * 8 + [1], [])]
 
 
-@pytest.mark.parametrize("buckets,calls", [(None, [4]), (2, [2, 2]), (3, [2, 1, 1])])
-def test_common_prefix_logprobs_match_the_full_forward(monkeypatch, buckets, calls):
+@pytest.mark.parametrize("buckets,saving,calls", [(None, None, [4]), (2, 0.2, [2, 2]), (3, 0.2, [2, 2]),
+                                                  (3, 0.01, [2, 1, 1])])
+def test_common_prefix_logprobs_match_the_full_forward(monkeypatch, buckets, saving, calls):
     """The prompt's common prefix runs once for the whole batch: same logprobs, entropy, values and gradients;
     also with the rests run in groups by length (rests of 3, 3, 6, 7 tokens: 28 padded positions in one forward,
-    20 in two groups, 19 in three)."""
+    20 in two groups, 19 in three: a third group saves 5%, taken only when asked to save less)."""
     from agentrl.models.value_head import AutoModelForCausalLMWithValueHead
 
     rows_per_forward = []
@@ -109,8 +110,7 @@ def test_common_prefix_logprobs_match_the_full_forward(monkeypatch, buckets, cal
 
     shared = run(lambda: common_prefix_logprobs(lm, batch, 0.7, with_entropy=True, entropy_grad=True,
                                                 value_head=model.v_head, min_saving=0.1,
-                                                rest_min_saving=None if buckets is None else 0.2,
-                                                rest_buckets=buckets or 2))
+                                                rest_min_saving=saving, rest_buckets=buckets or 2))
     assert rows_per_forward == calls
     plain = run(lambda: response_logprobs(lm, batch, 0.7, with_entropy=True, entropy_grad=True,
                                           value_head=model.v_head))
@@ -131,6 +131,13 @@ def test_common_prefix_logprobs_match_the_full_forward(monkeypatch, buckets, cal
 ])
 def test_fewest_padded_runs_cuts_where_padding_is_least(lengths, most, runs):
     assert common.fewest_padded_runs(lengths, most) == runs
+
+
+def test_fewest_padded_runs_takes_another_run_only_when_it_saves_enough():
+    lengths = [11, 12, 12, 13, 15, 50, 100, 144]  # 1152 padded positions in one run, 507 in two, 413 in three
+    assert common.fewest_padded_runs(lengths, 3, min_gain=0.1) == [(0, 5), (5, 6), (6, 8)]  # 413 < 0.9 x 507
+    assert common.fewest_padded_runs(lengths, 3, min_gain=0.2) == [(0, 5), (5, 8)]  # 413 > 0.8 x 507
+    assert common.fewest_padded_runs(lengths, 3, min_gain=0.6) == [(0, 8)]  # 507 > 0.4 x 1152
 
 
 def test_masked_logprobs_falls_back_when_the_head_cannot_be_split(monkeypatch):
