@@ -256,43 +256,25 @@ def sample_batch(
         logits = last_logits.float() / params.temperature  # (B, V)
         if n_new < params.min_new_tokens:
             logits[:, eos_token_id] = float("-inf")
-        logprobs_all = torch.log_softmax(logits, dim=-1)
-        if params.do_sample:
-            shaped = logits
-            for w in warpers:
-                shaped = w(None, shaped)
-            if params.compact:
-                tokens = sample_rows(torch.softmax(shaped, -1), rows, len(contexts), generator)
-            else:
-                tokens = torch.multinomial(torch.softmax(shaped, -1), 1, generator=generator).squeeze(-1)
-        else:
-            tokens = logits.argmax(-1)
-        token_logprobs = logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
+        tokens = _draw(logits, params, warpers, rows, len(contexts), generator)
+        token_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
         # One device-to-host copy per step, not one per row.
         token_list, logprob_list = tokens.tolist(), token_logprobs.tolist()
+        value_list = None
         if value_head is not None:  # (B,) values of the positions that predict these tokens
             value_list = value_head(last_hidden.to(value_head.summary.weight.device)).float().tolist()
         for j in torch.nonzero(active).flatten().tolist():
             i = rows[j]
-            s = samples[i]
-            s.ids.append(token_list[j])
-            s.logprobs.append(logprob_list[j])
-            if value_head is not None:
-                s.values.append(value_list[j])
-            s.finish = _finish(s.ids, eos_token_id, compiled, tokenizer, None if room is None else room[i])
-            active[j] = s.finish is None
-            s.finish = s.finish or "length"
+            _append(samples[i], token_list[j], logprob_list[j], None if value_list is None else value_list[j])
+            finish = _finish(samples[i].ids, eos_token_id, compiled, tokenizer, None if room is None else room[i])
+            active[j] = finish is None
+            samples[i].finish = finish or "length"
         if not active.any() or n_new == params.max_new_tokens - 1:  # the last tokens are not fed: nothing reads it
             break
         if params.compact and int(active.sum()) <= COMPACT_BELOW * len(rows):
-            keep = torch.nonzero(active).flatten()
-            if kv is not None:  # the next turn runs on every row's cache: keep the leavers' aside
-                for j in torch.nonzero(~active).flatten().tolist():
-                    parked[rows[j]] = ([(layer.keys[j], layer.values[j]) for layer in cache.layers], attention_mask[j])
-            cache.batch_select_indices(keep)
-            rows = [rows[j] for j in keep.tolist()]
-            attention_mask, next_pos, tokens, active = attention_mask[keep], next_pos[keep], tokens[keep], active[keep]
-            last_hidden = last_hidden[keep] if last_hidden is not None else None
+            rows, (attention_mask, next_pos, tokens, active, last_hidden) = _shed(
+                cache, rows, active, (attention_mask, next_pos, tokens, active, last_hidden),
+                parked if kv is not None else None)
         tokens = torch.where(active, tokens, torch.full_like(tokens, pad_token_id))
         attention_mask = torch.cat([attention_mask, active.long()[:, None]], dim=1)
         out = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_pos,
@@ -305,6 +287,39 @@ def sample_batch(
             cache, attention_mask = _unpark(cache, attention_mask, rows, parked)
         kv.cache, kv.attention_mask = (cache, attention_mask) if filled else (None, None)
     return samples
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, warpers: list, rows: list[int], n: int,
+          generator: torch.Generator | None) -> torch.Tensor:
+    """The next token of each row from its tempered logits (B, V): sampled after top-k / top-p (params.compact:
+    with each context's own draws, sample_rows), or the argmax when not sampling."""
+    if not params.do_sample:
+        return logits.argmax(-1)
+    for w in warpers:
+        logits = w(None, logits)
+    probs = torch.softmax(logits, -1)
+    if params.compact:
+        return sample_rows(probs, rows, n, generator)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _append(sample: Sample, token: int, logprob: float, value: float | None) -> None:
+    sample.ids.append(token)
+    sample.logprobs.append(logprob)
+    if value is not None:
+        sample.values.append(value)
+
+
+def _shed(cache: DynamicCache, rows: list[int], active: torch.Tensor, tensors: tuple, parked: dict | None):
+    """Drop the finished rows from the decoding batch (params.compact): from `cache` in place, and from `tensors`
+    (per-row tensors, the attention mask first; None passes through). With `parked`, the next turn runs on every
+    row's cache, so each leaver's KV and mask are kept there by context. Returns (rows, tensors) of those left."""
+    keep = torch.nonzero(active).flatten()
+    if parked is not None:
+        for j in torch.nonzero(~active).flatten().tolist():
+            parked[rows[j]] = ([(layer.keys[j], layer.values[j]) for layer in cache.layers], tensors[0][j])
+    cache.batch_select_indices(keep)
+    return [rows[j] for j in keep.tolist()], tuple(None if t is None else t[keep] for t in tensors)
 
 
 # params.compact: the decoding batch sheds its finished rows once this share of them or fewer still sample (each
