@@ -256,8 +256,9 @@ def sample_batch(
         logits = last_logits.float() / params.temperature  # (B, V)
         if n_new < params.min_new_tokens:
             logits[:, eos_token_id] = float("-inf")
+        logprobs_all = torch.log_softmax(logits, dim=-1)  # before top-k / top-p shape the draw
         tokens = _draw(logits, params, warpers, rows, len(contexts), generator)
-        token_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+        token_logprobs = logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
         # One device-to-host copy per step, not one per row.
         token_list, logprob_list = tokens.tolist(), token_logprobs.tolist()
         value_list = None

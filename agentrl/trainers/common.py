@@ -592,9 +592,10 @@ def rests_on_prefixes(model, kw, head, batch: TokenBatch, cache, rm, prefix_mask
     """The second part of the prefix-sharing paths: each row's rest on top of its prefix's KV (`cache` holds one
     entry per prefix, `rm` (B,) says which prefix each row has; `last` (B, H), `first` and `rest` (B,) are the
     rows' own). Rows whose rests differ in length (DPO's chosen and rejected, an agent's episodes of one turn and
-    of three) run in two groups by rest length, each on its own copy of its rows' prefix caches, when that cuts the
-    rest's padded positions by at least `rest_min_saving` (None: one forward): the same numbers per row, fewer
-    positions. buckets, best: how the rows are grouped (length_groups). Returns (logprobs, entropy or None, values or None), each (B, T-1)."""
+    of three) run in groups by rest length (up to `buckets`, chosen as length_groups does with `best`), each on its
+    own copy of its rows' prefix caches, when that cuts the rest's padded positions by at least `rest_min_saving`
+    (None: one forward): the same numbers per row, fewer positions.
+    Returns (logprobs, entropy or None, values or None), each (B, T-1)."""
     from transformers import DynamicCache
 
     B = len(rm)
@@ -737,8 +738,8 @@ class LogprobPaths:
       least this fraction (above 1: never).
     rest_min_saving: the same for the rests after a shared prefix (rests_on_prefixes). Lower than
       bucket_min_saving: the prefix is not run again for the second group.
-    rest_buckets: how many groups PPO's rests after the batch's common prefix may run in (common_prefix_logprobs);
-      GRPO's and DPO's run in two of equal size.
+    rest_buckets: how many groups the rests after a common prefix may run in, cut where they pad least
+      (common_prefix_logprobs: PPO's batches, SFT's prefix groups); GRPO's and DPO's run in two of equal size.
     """
 
     response_only: bool = True

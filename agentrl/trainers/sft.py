@@ -272,9 +272,9 @@ def shared_prefix_loss(model, batch: dict[str, torch.Tensor], paths=None) -> tor
     system message and the tool schemas, most of each row) running that prefix once, as a batch of one whose KV
     cache every row of the group continues (common_prefix_logprobs; gradients reach the prefix through the cache),
     the rests in groups by length where they differ (a demonstration that calls a tool is longer than one that
-    answers at once). Rows that share nothing worth it run as one more batch. None where the model cannot take this path (gradient
-    checkpointing keeps no cache; a head that cannot be split off): then the plain forward. paths: the rest
-    groups' settings (a LogprobPaths; None: the default)."""
+    answers at once). Rows that share nothing worth it run as one more batch. None where the model cannot take
+    this path (gradient checkpointing keeps no cache; a head that cannot be split off): then the plain forward.
+    paths: the rest groups' settings (a LogprobPaths; None: the default)."""
     from agentrl.trainers.common import FAST, TokenBatch, common_prefix_logprobs, prefix_groups, response_logprobs
 
     paths = paths or FAST
