@@ -8,6 +8,7 @@ takes bf16 where it is native and float32 ("no") where it is not; an explicit "b
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
@@ -44,3 +45,29 @@ def _warn_emulated(device_type: str) -> None:
     warnings.warn(f"mixed_precision bf16: this {device_type.upper()} has no native bf16 (no AVX512-BF16 or AMX on "
                   f"a CPU), so PyTorch emulates it, many times slower than float32; set mixed_precision: auto (bf16 "
                   f"only where native) or no", stacklevel=3)
+
+
+@contextlib.contextmanager
+def frozen_casts_cached(model: torch.nn.Module, device_type: str):
+    """Inside an autocast region of `device_type`: a no-grad block in which the lower-precision cast of each
+    frozen float32 parameter is made once and reused, instead of once per call.
+
+    Autocast keeps the casts it makes only for parameters that require grad (torch's heuristic: those are the
+    ones being trained). Under LoRA the backbone is frozen, so a rollout that decodes token by token re-cast the
+    whole backbone's weights at every step: reading 4 bytes and writing 2 per parameter each time, a large share
+    of a small-batch decoding step on a CPU. Marking the frozen parameters as requiring grad for the duration of
+    a block with no autograd lets autocast cache their casts until its context ends. The values are the same
+    casts, so the results are identical. Parameters sharded or managed by FSDP / DeepSpeed are left alone.
+    Outside autocast this only enters no_grad."""
+    frozen = []
+    if torch.is_autocast_enabled(device_type) and torch.is_autocast_cache_enabled():
+        frozen = [p for p in model.parameters() if not p.requires_grad and p.dtype == torch.float32
+                  and type(p) is torch.nn.Parameter and not hasattr(p, "ds_id")]
+    with torch.no_grad():
+        try:
+            for p in frozen:
+                p.requires_grad_(True)
+            yield
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)

@@ -20,6 +20,7 @@ import torch
 from agentrl.envs.base import (INFRA_FAILURE, Environment, EnvTimeout, StepResult, _user_call, check_attributes,
                                checked_reset, checked_step, env_option)
 from agentrl.errors import UserError
+from agentrl.precision import frozen_casts_cached
 from agentrl.rollout.sampling import KVState, Sample, SamplingParams, sample_batch
 
 STEP_WORKERS = 16  # threads stepping environments that allow it (concurrent_steps)
@@ -91,9 +92,10 @@ def rollout(
     the tokens it may still sample) where some episode has less than max_new_tokens left.
     """
     episodes: list[Episode] = []
-    for start in range(0, len(tasks), batch_size):
-        episodes.extend(_rollout_chunk(model, tokenizer, env_factory, tasks[start:start + batch_size], params, generator,
-                                       None if sampler else value_head, sampler))
+    with frozen_casts_cached(model, next(model.parameters()).device.type):  # under bf16 autocast: cast once
+        for start in range(0, len(tasks), batch_size):
+            episodes.extend(_rollout_chunk(model, tokenizer, env_factory, tasks[start:start + batch_size], params,
+                                           generator, None if sampler else value_head, sampler))
     return episodes
 
 

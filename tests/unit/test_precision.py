@@ -3,6 +3,8 @@
 import warnings
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from agentrl.precision import native_bf16, resolve_mixed_precision
 
@@ -63,3 +65,54 @@ def test_the_ppo_and_grpo_commands_resolve_auto_too():
     by_hand = JobConfig()
     by_hand.ppo.mixed_precision = "auto"  # a config built in code, handed to run_job: resolved there
     assert resolve_precisions(by_hand).ppo.mixed_precision == expected
+
+
+class _Casts(TorchDispatchMode):
+    """Counts the float32 -> bf16 copies of whole weight matrices (autocast's casts of parameters)."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes, self.count = shapes, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16
+                and tuple(args[0].shape) in self.shapes):
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def test_frozen_casts_cached_casts_each_frozen_weight_once_with_the_same_results(tiny_base):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.precision import frozen_casts_cached
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_base),
+                           LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=["q_proj", "v_proj"])).eval()
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    weights = {tuple(p.shape) for p in frozen if p.dim() == 2}
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def two_forwards(cached: bool):
+        casts = _Casts(weights)
+        with torch.autocast("cpu", dtype=torch.bfloat16), casts:
+            if cached:
+                with frozen_casts_cached(model, "cpu"):
+                    assert not torch.is_grad_enabled()
+                    logits = [model(input_ids=ids).logits for _ in range(2)]
+            else:
+                with torch.no_grad():
+                    logits = [model(input_ids=ids).logits for _ in range(2)]
+        return logits, casts.count
+
+    plain, per_call = two_forwards(False)
+    cached, once = two_forwards(True)
+    assert per_call > 0 and once * 2 == per_call  # the second forward re-cast nothing
+    assert all(torch.equal(a, b) for a, b in zip(plain, cached))  # the same casts, so the same numbers
+    assert all(not p.requires_grad for p in frozen)  # frozen again afterwards
+    assert any(p.requires_grad for p in model.parameters())  # the adapter was never touched
+    with pytest.raises(RuntimeError, match="inside"), torch.autocast("cpu", dtype=torch.bfloat16):
+        with frozen_casts_cached(model, "cpu"):
+            raise RuntimeError("inside")
+    assert all(not p.requires_grad for p in frozen)  # and after an error too
