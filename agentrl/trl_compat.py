@@ -23,6 +23,7 @@ import torch
 from agentrl import core
 from agentrl.algos import kl_penalty, kl_shaped_rewards
 from agentrl.models.value_head import AutoModelForCausalLMWithValueHead
+from agentrl.precision import frozen_casts_cached
 from agentrl.rollout.sampling import SamplingParams, sample_batch
 from agentrl.trainers import ppo
 from agentrl.trainers.common import TokenBatch, build_batch, position_ids, scalars
@@ -218,7 +219,8 @@ class PPOTrainer(ppo.PPOTrainer):
 
         if self._generated_at != self.current_step:  # kept only until the next update
             self._generated, self._generated_at = {}, self.current_step
-        with self.accelerator.autocast():  # the sampler at the update's precision (mixed_precision)
+        # the sampler at the update's precision (mixed_precision), each frozen weight cast once, as in rollout()
+        with self.accelerator.autocast(), frozen_casts_cached(self.policy, self.accelerator.device.type):
             responses = run(self.policy, self._rollout_value_head)
             if generate_ref_response:
                 with self._reference():
