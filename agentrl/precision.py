@@ -48,8 +48,8 @@ def _warn_emulated(device_type: str) -> None:
 
 
 @contextlib.contextmanager
-def frozen_casts_cached(model: torch.nn.Module, device_type: str):
-    """Inside an autocast region of `device_type`: a no-grad block in which the lower-precision cast of each
+def frozen_casts_cached(model: torch.nn.Module | None):
+    """Inside an autocast region of the model's device: a no-grad block in which the lower-precision cast of each
     frozen float32 parameter is made once and reused, instead of once per call.
 
     Autocast keeps the casts it makes only for parameters that require grad (torch's heuristic: those are the
@@ -58,10 +58,11 @@ def frozen_casts_cached(model: torch.nn.Module, device_type: str):
     of a small-batch decoding step on a CPU. Marking the frozen parameters as requiring grad for the duration of
     a block with no autograd lets autocast cache their casts until its context ends. The values are the same
     casts, so the results are identical. Parameters sharded or managed by FSDP / DeepSpeed are left alone.
-    Outside autocast this only enters no_grad."""
+    Outside autocast (or without a model: a rollout whose sampler is another engine's) this only enters no_grad."""
+    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
     frozen = []
-    if torch.is_autocast_enabled(device_type) and torch.is_autocast_cache_enabled():
-        frozen = [p for p in model.parameters() if not p.requires_grad and p.dtype == torch.float32
+    if params and torch.is_autocast_enabled(params[0].device.type) and torch.is_autocast_cache_enabled():
+        frozen = [p for p in params if not p.requires_grad and p.dtype == torch.float32
                   and type(p) is torch.nn.Parameter and not hasattr(p, "ds_id")]
     with torch.no_grad():
         try:

@@ -220,7 +220,7 @@ class PPOTrainer(ppo.PPOTrainer):
         if self._generated_at != self.current_step:  # kept only until the next update
             self._generated, self._generated_at = {}, self.current_step
         # the sampler at the update's precision (mixed_precision), each frozen weight cast once, as in rollout()
-        with self.accelerator.autocast(), frozen_casts_cached(self.policy, self.accelerator.device.type):
+        with self.accelerator.autocast(), frozen_casts_cached(self.policy):
             responses = run(self.policy, self._rollout_value_head)
             if generate_ref_response:
                 with self._reference():

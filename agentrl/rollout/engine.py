@@ -92,7 +92,7 @@ def rollout(
     the tokens it may still sample) where some episode has less than max_new_tokens left.
     """
     episodes: list[Episode] = []
-    with frozen_casts_cached(model, next(model.parameters()).device.type):  # under bf16 autocast: cast once
+    with frozen_casts_cached(model):  # under bf16 autocast, each frozen weight cast once, not at every token
         for start in range(0, len(tasks), batch_size):
             episodes.extend(_rollout_chunk(model, tokenizer, env_factory, tasks[start:start + batch_size], params,
                                            generator, None if sampler else value_head, sampler))

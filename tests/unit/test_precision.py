@@ -98,7 +98,7 @@ def test_frozen_casts_cached_casts_each_frozen_weight_once_with_the_same_results
         casts = _Casts(weights)
         with torch.autocast("cpu", dtype=torch.bfloat16), casts:
             if cached:
-                with frozen_casts_cached(model, "cpu"):
+                with frozen_casts_cached(model):
                     assert not torch.is_grad_enabled()
                     logits = [model(input_ids=ids).logits for _ in range(2)]
             else:
@@ -113,6 +113,8 @@ def test_frozen_casts_cached_casts_each_frozen_weight_once_with_the_same_results
     assert all(not p.requires_grad for p in frozen)  # frozen again afterwards
     assert any(p.requires_grad for p in model.parameters())  # the adapter was never touched
     with pytest.raises(RuntimeError, match="inside"), torch.autocast("cpu", dtype=torch.bfloat16):
-        with frozen_casts_cached(model, "cpu"):
+        with frozen_casts_cached(model):
             raise RuntimeError("inside")
     assert all(not p.requires_grad for p in frozen)  # and after an error too
+    with frozen_casts_cached(None):  # a rollout sampled by another engine passes no model of ours
+        assert not torch.is_grad_enabled()
