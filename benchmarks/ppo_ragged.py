@@ -65,29 +65,40 @@ def decode_row_steps(episodes) -> tuple[int, int]:
     return paid, used
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def job_arguments(description: str) -> argparse.ArgumentParser:
+    """The arguments these benchmarks share: the job config, batches, seed and key=value overrides."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", default="real")
     parser.add_argument("--batches", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--buckets", default="1,3", help="the variants: at most this many groups of rests (1: one "
-                        "forward), comma-separated")
     parser.add_argument("overrides", nargs="*", help="job config overrides key=value")
-    args = parser.parse_args()
+    return parser
 
-    from agentrl.jobs.common import add_lora, prepare_run
+
+def job_trainer(config_name: str, overrides: list[str]):
+    """(job config, prepared run, training tasks, PPO trainer with LoRA, rollout sampling) as the PPO job builds
+    them, so a benchmark measures the job's own model, environment and settings."""
+    from agentrl.jobs.common import add_lora, prepare_run, rollout_sampling
     from agentrl.jobs.ppo import load_job, make_trainer
-    from agentrl.rollout.engine import rollout
-    from agentrl.trainers.common import LogprobPaths, check_batch, episodes_to_batch
 
-    config = load_job(args.config, args.overrides)
+    config = load_job(config_name, overrides)
     run = prepare_run(config.model, config.env, config.rollout, config.eval_seed, False, config.sft)
     tasks = run.train_tasks(config.env, config.env.train_tasks, config.ppo.seed)
     torch.manual_seed(config.ppo.seed)
     trainer = make_trainer(config, add_lora(run.model, config.model), run.tokenizer, len(tasks), run.eval_tasks)
-    from agentrl.jobs.common import rollout_sampling
+    return config, run, tasks, trainer, rollout_sampling(config.rollout, config.ppo.temperature)
 
-    sampling = rollout_sampling(config.rollout, config.ppo.temperature)
+
+def main() -> None:
+    parser = job_arguments("rollout.compact and PPO's rest groups, A/B on the job's own batches")
+    parser.add_argument("--buckets", default="1,3", help="the variants: at most this many groups of rests (1: one "
+                        "forward), comma-separated")
+    args = parser.parse_args()
+
+    from agentrl.rollout.engine import rollout
+    from agentrl.trainers.common import LogprobPaths, check_batch, episodes_to_batch
+
+    config, run, tasks, trainer, sampling = job_trainer(args.config, args.overrides)
     generator = torch.Generator().manual_seed(args.seed)
     batches, decode, size = [], [], config.ppo.batch_size
     rollout_s: dict[str, list[float]] = {"plain": [], "compact": []}

@@ -14,32 +14,20 @@ native bf16 (elsewhere autocast emulates bf16 and the figures say nothing). Run 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
 import torch
+from ppo_ragged import job_arguments, job_trainer  # this folder: scripts run as `python benchmarks/...`
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", default="real")
-    parser.add_argument("--batches", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("overrides", nargs="*", help="job config overrides key=value")
-    args = parser.parse_args()
+    args = job_arguments("rollouts with the frozen weights cast per call or once, A/B").parse_args()
 
-    from agentrl.jobs.common import add_lora, prepare_run, rollout_sampling
-    from agentrl.jobs.ppo import load_job, make_trainer
     from agentrl.rollout.engine import rollout
 
-    config = load_job(args.config, args.overrides)
-    run = prepare_run(config.model, config.env, config.rollout, config.eval_seed, False, config.sft)
-    tasks = run.train_tasks(config.env, config.env.train_tasks, config.ppo.seed)
-    torch.manual_seed(config.ppo.seed)
-    trainer = make_trainer(config, add_lora(run.model, config.model), run.tokenizer, len(tasks), run.eval_tasks)
-    sampling = rollout_sampling(config.rollout, config.ppo.temperature)
+    config, run, tasks, trainer, sampling = job_trainer(args.config, args.overrides)
     size = config.ppo.batch_size
     generator = torch.Generator().manual_seed(args.seed)
 
